@@ -1,0 +1,65 @@
+# Set-up, demo, tests and benchmarks. Each target creates and fills the environment it needs.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+PYTHON ?= python3
+VENV := .venv
+CUDA_VENV := .venv-cuda
+CUDA_LIB := build/cuda/lib
+# The CPU build of torch for everyday use; the CUDA build only to compile and load the CUDA kernels.
+TORCH_CPU := torch==2.13.0
+TORCH_CUDA := torch==2.14.1
+PIP_QUIET := -q --disable-pip-version-check
+# Drop pip's notes about unreachable local index folders; keep everything else it says.
+PIP_FILTER := grep -v "is neither a file nor a directory" || true
+CUDA_ARCHS ?= 8.0;9.0
+
+.PHONY: setup build demo test test-cpu test-cuda-build lint bench bench-train bench-quick clean
+
+$(VENV)/.ready: Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) numpy scikit-learn matplotlib tqdm \
+		pytest ruff ninja setuptools wheel 2>&1 | $(PIP_FILTER)
+	touch $@
+
+setup: $(VENV)/.ready
+
+build: $(VENV)/.ready
+	$(VENV)/bin/python setup.py -q build_ext --inplace
+
+demo: build
+	$(VENV)/bin/python examples/demo.py --out results/demo
+
+lint: $(VENV)/.ready
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test-cpu: build
+	FASTHOOKS_REQUIRE_EXT=1 $(VENV)/bin/python -m pytest
+
+$(CUDA_VENV)/.ready: Makefile
+	$(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) numpy pytest ninja setuptools wheel \
+		2>&1 | $(PIP_FILTER)
+	touch $@
+
+# No GPU needed: compiles the CUDA kernels against torch's CUDA build, loads them, checks that
+# the operator has a CUDA kernel, then runs the suite on the CPU against that same build.
+test-cuda-build: $(CUDA_VENV)/.ready
+	CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="$(CUDA_ARCHS)" \
+		$(CUDA_VENV)/bin/python setup.py -q build --build-base build/cuda --build-lib $(CUDA_LIB)
+	PYTHONPATH=$(CUDA_LIB) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_CUDA_KERNEL=1 \
+		$(CUDA_VENV)/bin/pytest -p no:cacheprovider
+
+test: lint test-cpu test-cuda-build
+
+bench: build
+	$(VENV)/bin/python benchmarks/op_throughput.py --out results/op_throughput
+
+bench-train: build
+	$(VENV)/bin/python benchmarks/training_overhead.py --out results/training_overhead
+
+bench-quick: build
+	$(VENV)/bin/python benchmarks/training_overhead.py --quick --out results/training_quick
+
+clean:
+	rm -rf build results fasthooks/_C*.so

@@ -1,0 +1,13 @@
+// Run-time choice of the CPU instruction set, so one binary runs on any x86-64 CPU.
+#pragma once
+
+#include "kernels.h"
+
+namespace fasthooks {
+
+// "avx2" where the CPU has AVX2, FMA and F16C, else "default". The environment variable
+// FASTHOOKS_CPU_CAPABILITY=default forces the portable kernels (read once, at first use).
+const char* cpu_capability_name();
+const ChunkKernels& cpu_kernels();
+
+}  // namespace fasthooks

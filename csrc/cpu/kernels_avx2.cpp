@@ -1,0 +1,40 @@
+// The AVX2 chunk kernels. Every header is included before the target pragma, so that no inline
+// function shared with the portable kernels is compiled for AVX2 here.
+#if defined(__x86_64__) || defined(__i386__)
+
+#include <immintrin.h>
+
+#include <cstring>
+#include <type_traits>
+
+#include "kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace fasthooks {
+namespace avx2 {
+
+constexpr int64_t kLaneBytes = 128;
+
+inline void half_to_float(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(bits));
+  }
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i].x);
+}
+
+#include "chunk_moments_impl.h"
+
+}  // namespace avx2
+}  // namespace fasthooks
+
+#pragma GCC pop_options
+
+namespace fasthooks {
+const ChunkKernels avx2_kernels = avx2::make_kernels();
+}  // namespace fasthooks
+
+#endif

@@ -1,0 +1,22 @@
+// The portable chunk kernels: baseline instruction set of the target.
+#include <cstring>
+#include <type_traits>
+
+#include "kernels.h"
+
+namespace fasthooks {
+namespace portable {
+
+constexpr int64_t kLaneBytes = 64;
+
+inline void half_to_float(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+#include "chunk_moments_impl.h"
+
+}  // namespace portable
+
+const ChunkKernels default_kernels = portable::make_kernels();
+
+}  // namespace fasthooks

@@ -1,0 +1,40 @@
+"""fasthooks: fastai v1's hooks API for any PyTorch model, with fused activation statistics."""
+
+from ._version import __version__
+from .hook import Hook, HookCallback, Hooks, hook_output, hook_outputs
+from .ops import extension_available, extension_error
+from .plot import plot_stats
+from .sizes import (
+    LayerInfo,
+    dummy_batch,
+    dummy_eval,
+    in_channels,
+    model_sizes,
+    model_summary,
+    num_features_model,
+    params_size,
+    total_params,
+)
+from .stats import ActivationStats
+
+__all__ = [
+    "ActivationStats",
+    "Hook",
+    "HookCallback",
+    "Hooks",
+    "LayerInfo",
+    "__version__",
+    "dummy_batch",
+    "dummy_eval",
+    "extension_available",
+    "extension_error",
+    "hook_output",
+    "hook_outputs",
+    "in_channels",
+    "model_sizes",
+    "model_summary",
+    "num_features_model",
+    "params_size",
+    "plot_stats",
+    "total_params",
+]

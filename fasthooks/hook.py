@@ -1,0 +1,250 @@
+"""Module hooks with a clear lifetime: `Hook`, `Hooks`, `hook_output(s)` and `HookCallback`."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+HookFunc = Callable[[nn.Module, Any, Any], Any]
+
+
+def _detach(value: Any) -> Any:
+    """Detach tensors, also inside (nested) tuples and lists, keeping the container type."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_detach(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detach(v) for v in value)
+    return value
+
+
+def _check_module(m: Any, name: str) -> nn.Module:
+    if not isinstance(m, nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module, got {type(m).__name__}")
+    return m
+
+
+class Hook:
+    """A forward (or full backward) hook on one module; the hook function's result is `.stored`.
+
+    Example:
+        >>> lin = nn.Linear(3, 2)
+        >>> with Hook(lin, lambda m, i, o: o.shape) as h:
+        ...     _ = lin(torch.zeros(4, 3))
+        >>> h.stored
+        torch.Size([4, 2])
+    """
+
+    def __init__(
+        self, m: nn.Module, hook_func: HookFunc, is_forward: bool = True, detach: bool = True
+    ) -> None:
+        _check_module(m, "m")
+        if not callable(hook_func):
+            raise TypeError(f"hook_func must be callable, got {type(hook_func).__name__}")
+        self.hook_func, self.detach, self.is_forward = hook_func, detach, is_forward
+        self.stored: Any = None
+        if is_forward:
+            self._handle = m.register_forward_hook(self._hook_fn)
+        else:
+            self._handle = m.register_full_backward_hook(self._hook_fn)
+        self.removed = False
+
+    def _hook_fn(self, module: nn.Module, input: Any, output: Any) -> None:
+        if self.detach:
+            input, output = _detach(input), _detach(output)
+        self.stored = self.hook_func(module, input, output)
+
+    def remove(self) -> None:
+        """Deregister the hook; calling it again does nothing."""
+        if not self.removed:
+            self._handle.remove()
+            self.removed = True
+
+    def __enter__(self) -> Hook:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class Hooks:
+    """One `Hook` per module of `ms`, removed as a group; `.stored` lists results in module order.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> with Hooks(model, lambda m, i, o: o.shape) as hooks:
+        ...     _ = model(torch.zeros(5, 3))
+        >>> hooks.stored
+        [torch.Size([5, 4]), torch.Size([5, 4]), torch.Size([5, 2])]
+    """
+
+    def __init__(
+        self,
+        ms: Iterable[nn.Module],
+        hook_func: HookFunc,
+        is_forward: bool = True,
+        detach: bool = True,
+    ) -> None:
+        modules = [_check_module(m, f"ms[{i}]") for i, m in enumerate(ms)]
+        self.hooks: list[Hook] = []
+        try:
+            for m in modules:
+                self.hooks.append(Hook(m, hook_func, is_forward, detach))
+        except BaseException:
+            self.remove()
+            raise
+
+    def __getitem__(self, i: int) -> Hook:
+        return self.hooks[i]
+
+    def __len__(self) -> int:
+        return len(self.hooks)
+
+    def __iter__(self) -> Iterator[Hook]:
+        return iter(self.hooks)
+
+    @property
+    def stored(self) -> list[Any]:
+        return [h.stored for h in self.hooks]
+
+    def remove(self) -> None:
+        """Deregister every hook; calling it again does nothing."""
+        for h in self.hooks:
+            h.remove()
+
+    def __enter__(self) -> Hooks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _keep_output(m: nn.Module, i: Any, o: Any) -> Any:
+    return o
+
+
+def _keep_grad_output(m: nn.Module, grad_input: Any, grad_output: Any) -> Any:
+    return grad_output
+
+
+def hook_output(module: nn.Module, detach: bool = True, grad: bool = False) -> Hook:
+    """Keep the output of `module` (or, with `grad=True`, the gradient of its output) in `.stored`.
+
+    Example:
+        >>> lin = nn.Linear(3, 2)
+        >>> with hook_output(lin) as h:
+        ...     y = lin(torch.ones(1, 3))
+        >>> torch.equal(h.stored, y)
+        True
+    """
+    return Hook(module, _keep_grad_output if grad else _keep_output, not grad, detach)
+
+
+def hook_outputs(modules: Iterable[nn.Module], detach: bool = True, grad: bool = False) -> Hooks:
+    """`hook_output` for each of `modules`, as one `Hooks`.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        >>> with hook_outputs(model) as hooks:
+        ...     _ = model(torch.ones(1, 3))
+        >>> [o.shape for o in hooks.stored]
+        [torch.Size([1, 4]), torch.Size([1, 2])]
+    """
+    return Hooks(modules, _keep_grad_output if grad else _keep_output, not grad, detach)
+
+
+def leaf_modules_with_params(model: nn.Module) -> list[nn.Module]:
+    """Every leaf module of `model` that has parameters, in the order of `model.modules()`."""
+    return [
+        m
+        for m in model.modules()
+        if not any(True for _ in m.children()) and any(True for _ in m.parameters(recurse=False))
+    ]
+
+
+def _resolve_model(model: Any) -> nn.Module:
+    if isinstance(model, nn.Module):
+        return model
+    inner = getattr(model, "model", None)
+    if isinstance(inner, nn.Module):
+        return inner
+    raise TypeError(
+        f"model must be an nn.Module or have an nn.Module at .model, got {type(model).__name__}"
+    )
+
+
+class HookCallback:
+    """Registers `self.hook(m, input, output)` on `modules` for the length of training.
+
+    Subclasses define `hook`. The lifecycle keeps fastai v1's names (`on_train_begin`,
+    `on_batch_end`, `on_train_end`); in a plain loop use it as a context manager.
+
+    Example:
+        >>> class Shapes(HookCallback):
+        ...     def hook(self, m, i, o):
+        ...         return o.shape
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> with Shapes(model) as cb:
+        ...     _ = model(torch.zeros(2, 3))
+        ...     shapes = cb.hooks.stored
+        >>> shapes
+        [torch.Size([2, 4]), torch.Size([2, 2])]
+    """
+
+    def __init__(
+        self, model: Any, modules: Iterable[nn.Module] | None = None, do_remove: bool = True
+    ) -> None:
+        self.model = _resolve_model(model)
+        self.modules: list[nn.Module] | None = None
+        if modules is not None:
+            self.modules = [_check_module(m, f"modules[{i}]") for i, m in enumerate(modules)]
+        self.do_remove = do_remove
+        self.hooks: Hooks | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def hook(self, m: nn.Module, i: Any, o: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define hook(self, m, input, output)")
+
+    def on_train_begin(self, **kwargs: Any) -> None:
+        """Register the hooks (again, if an earlier run left some)."""
+        self._remove_hooks()
+        if self.modules is None:
+            self.modules = leaf_modules_with_params(self.model)
+        self.hooks = Hooks(self.modules, _weak_hook(self))
+        self._finalizer = weakref.finalize(self, self.hooks.remove)
+
+    def on_batch_end(self, train: bool = True, **kwargs: Any) -> None:
+        """Called after each batch; `train=False` marks a validation batch."""
+
+    def on_train_end(self, **kwargs: Any) -> None:
+        """Remove the hooks when `do_remove`."""
+        if self.do_remove:
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+
+    def __enter__(self) -> HookCallback:
+        self.on_train_begin()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.on_train_end()
+
+
+def _weak_hook(callback: HookCallback) -> HookFunc:
+    """A hook function that does not keep `callback` alive, so hooks never outlive it."""
+    ref = weakref.ref(callback)
+
+    def call(m: nn.Module, i: Any, o: Any) -> Any:
+        cb = ref()
+        return None if cb is None else cb.hook(m, i, o)
+
+    return call

@@ -1,0 +1,106 @@
+"""Builds fasthooks and its operator extension fasthooks._C.
+
+The extension is built for the CPU always and for CUDA when torch is a CUDA build and a CUDA
+toolkit is found (no visible GPU needed). Switches, read from the environment:
+  FASTHOOKS_NO_EXT=1   install the pure-Python package only
+  FASTHOOKS_NO_CUDA=1  skip the CUDA kernels
+  FORCE_CUDA=1         build the CUDA kernels or fail saying why
+  TORCH_CUDA_ARCH_LIST the GPU architectures to compile for (torch's own switch)
+Build without pip's build isolation (`pip install --no-build-isolation .`) so that the torch
+already installed is the one compiled against.
+"""
+
+import os
+import re
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+VERSION = re.search(
+    r'__version__ = "([^"]+)"', (ROOT / "fasthooks" / "_version.py").read_text()
+).group(1)
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _say(message: str) -> None:
+    print(f"fasthooks setup: {message}", file=sys.stderr)
+
+
+def _cuda_decision(torch_cuda: str | None, cuda_home: str | None) -> bool:
+    if _flag("FASTHOOKS_NO_CUDA"):
+        _say("CUDA kernels skipped (FASTHOOKS_NO_CUDA=1)")
+        return False
+    missing = [
+        what
+        for what, ok in (("a CUDA build of torch", torch_cuda), ("CUDA_HOME/nvcc", cuda_home))
+        if not ok
+    ]
+    if not missing:
+        _say(
+            f"building CUDA kernels (torch CUDA {torch_cuda}, toolkit at {cuda_home}, "
+            f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', 'torch default')})"
+        )
+        return True
+    if _flag("FORCE_CUDA"):
+        raise RuntimeError(f"FORCE_CUDA=1 but this environment lacks {' and '.join(missing)}")
+    _say(f"CUDA kernels skipped: this environment lacks {' and '.join(missing)}")
+    return False
+
+
+def _pip_cuda_include_dirs() -> list[str]:
+    """Headers of the CUDA libraries torch includes, shipped in its nvidia pip packages."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return [str(p) for base in nvidia.__path__ for p in Path(base).glob("cu*/include")]
+
+
+def extension_build():
+    """(ext_modules, cmdclass) for this environment, printing what was decided."""
+    if _flag("FASTHOOKS_NO_EXT"):
+        _say("pure-Python install (FASTHOOKS_NO_EXT=1); ActivationStats uses backend='python'")
+        return [], {}
+    import torch
+    from torch.utils import cpp_extension
+
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
+    # at::parallel_for is an OpenMP loop in torch's CPU builds: without -fopenmp it runs serially.
+    cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]
+    if _cuda_decision(torch.version.cuda, cpp_extension.CUDA_HOME):
+        sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cu"))
+        extension = cpp_extension.CUDAExtension(
+            "fasthooks._C",
+            sources,
+            include_dirs=_pip_cuda_include_dirs(),
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
+            py_limited_api=False,
+        )
+    else:
+        _say(f"building CPU kernels against torch {torch.__version__}")
+        extension = cpp_extension.CppExtension(
+            "fasthooks._C", sources, extra_compile_args={"cxx": cxx}
+        )
+    return [extension], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = extension_build()
+
+setup(
+    name="fasthooks",
+    version=VERSION,
+    description="fastai v1's hooks API for any PyTorch model, with fused activation statistics",
+    long_description=(ROOT / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["fasthooks", "fasthooks.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4"],
+    extras_require={"demo": ["matplotlib", "scikit-learn", "tqdm"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
