@@ -1,0 +1,48 @@
+"""Shared fixtures: devices, backends and the float64 two-pass reference."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+import fasthooks
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
+FUSED = pytest.mark.skipif(
+    not fasthooks.extension_available(),
+    reason=f"fasthooks._C not built: {fasthooks.extension_error()}",
+)
+BACKENDS = ["python", pytest.param("fused", marks=FUSED)]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # A build that silently failed must not turn every fused test into a skip.
+    if os.environ.get("FASTHOOKS_REQUIRE_EXT") == "1" and not fasthooks.extension_available():
+        raise pytest.UsageError(
+            f"FASTHOOKS_REQUIRE_EXT=1 but fasthooks._C did not load: {fasthooks.extension_error()}"
+        )
+
+
+def reference_moments(*tensors: torch.Tensor) -> tuple[float, float]:
+    """Mean and unbiased std of all values of `tensors`, two passes in float64."""
+    values = torch.cat([t.detach().double().cpu().reshape(-1) for t in tensors])
+    n = values.numel()
+    if n == 0:
+        return math.nan, math.nan
+    mean = values.sum().item() / n
+    if n == 1:
+        return mean, math.nan
+    return mean, math.sqrt(((values - mean) ** 2).sum().item() / (n - 1))
+
+
+def reference_stats(batches: list[list[torch.Tensor]]) -> torch.Tensor:
+    """`(2, modules, batches)` float64 reference from, per batch, one tensor per module."""
+    out = torch.empty(2, len(batches[0]), len(batches), dtype=torch.float64)
+    for b, outputs in enumerate(batches):
+        for m, output in enumerate(outputs):
+            out[:, m, b] = torch.tensor(reference_moments(output))
+    return out
