@@ -46,9 +46,10 @@ def accumulate_moments_python(
     n_b = x.numel()
     if n_b == 0:
         return
-    var_b, mean_b = torch.var_mean(x.to(accumulation_dtype(x.dtype)), correction=0)
-    mean_b = mean_b.double()
-    m2_b = var_b.double() * n_b
+    x = x.to(accumulation_dtype(x.dtype))
+    # torch.mean rather than var_mean's Welford mean, which turns an infinite mean into NaN.
+    mean_b = x.mean().double()
+    m2_b = x.var(correction=0).double() * n_b
     column = cursor.reshape(1)
     slot_state = state[:, slot]
     n_a, mean_a, m2_a = slot_state.index_select(1, column).unbind(0)

@@ -1,0 +1,64 @@
+"""ActivationStats inside torch.compile(fullgraph=True): no graph break, no recompile per batch."""
+
+import pytest
+import torch
+from conftest import BACKENDS, FUSED
+from torch import nn
+
+from fasthooks import ActivationStats
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10), nn.LayerNorm(10)
+    )
+
+
+def _run(model, act, batches, step):
+    with act:
+        for x in batches:
+            step(x)
+            act.on_batch_end(train=True)
+    return act.stats
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_model_records_same_stats_without_recompiling(backend, compiler):
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend(compiler)(gm, example_inputs)
+
+    batches = [torch.randn(4, 3, 8, 8) * (i + 1) for i in range(6)]
+    eager_model = _net()
+    eager = _run(eager_model, ActivationStats(eager_model, backend=backend), batches, eager_model)
+
+    model = _net()
+    compiled = torch.compile(model, backend=counting, fullgraph=True)
+    act = ActivationStats(model, backend=backend)
+    stats = _run(model, act, batches, lambda x: compiled(x).sum().backward())
+
+    assert len(graphs) == 1, f"compiled {len(graphs)} graphs for 6 batches"
+    torch.testing.assert_close(stats, eager, rtol=1e-5, atol=1e-6)
+    assert not torch.isnan(stats).any()
+
+
+@FUSED
+def test_compiled_graph_calls_the_fused_operator():
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = _net()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    with ActivationStats(model, backend="fused"):
+        compiled(torch.randn(2, 3, 8, 8))
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.fasthooks.accumulate_moments) == 3
