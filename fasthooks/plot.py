@@ -24,13 +24,13 @@ def plot_stats(stats: torch.Tensor, path: str | Path, names: Sequence[str] | Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, values, title in zip(axes, stats, ("mean", "std"), strict=True):
         for name, series in zip(names, values, strict=True):
             ax.plot(series.numpy(), label=name)
         ax.set_title(f"activation {title} per batch")
         ax.set_xlabel("training batch")
-    axes[1].legend(fontsize="small", loc="upper right")
+    axes[1].legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)
