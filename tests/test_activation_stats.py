@@ -184,9 +184,11 @@ def test_non_tensor_output_is_named():
             return "not a tensor"
 
     words = Words()
-    with pytest.raises(TypeError, match="needs a tensor output from Words, got str"):
-        with ActivationStats(words, backend="python"):
-            words(torch.ones(1))
+    with (
+        pytest.raises(TypeError, match="needs a tensor output from Words, got str"),
+        ActivationStats(words, backend="python"),
+    ):
+        words(torch.ones(1))
 
 
 def test_stats_before_training_is_empty():

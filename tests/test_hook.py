@@ -97,7 +97,7 @@ def test_hooks_collection_behaviour():
     with Hooks(model, lambda m, i, o: o.shape) as hooks:
         assert len(hooks) == 3
         assert all(isinstance(h, Hook) for h in hooks)
-        assert hooks[0] is list(hooks)[0]
+        assert hooks[0] is next(iter(hooks))
         model(torch.randn(7, 4))
         assert hooks.stored == [torch.Size([7, 8]), torch.Size([7, 8]), torch.Size([7, 3])]
     assert all(h.removed for h in hooks)
