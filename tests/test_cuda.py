@@ -1,0 +1,99 @@
+"""CUDA-only behaviour: no host synchronisation, CUDA graphs, torch.compile on the GPU."""
+
+import pytest
+import torch
+from conftest import BACKENDS, CUDA, reference_stats
+from torch import nn
+
+from fasthooks import ActivationStats, hook_outputs
+
+pytestmark = [pytest.mark.cuda, CUDA]
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 8, 3, stride=2),
+        nn.Flatten(),
+        nn.Linear(8 * 15 * 15, 10),
+    ).cuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_training_step_never_synchronises(backend, dtype):
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 3, 32, 32, device="cuda")
+    act = ActivationStats(model, backend=backend, expected_batches=4)
+    act.on_train_begin()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(6):  # past expected_batches: growing the buffer must not sync either
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            act.on_batch_end(train=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    act.on_train_end()
+    assert act.stats.shape == (2, 4, 6) and not torch.isnan(act.stats).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_graph_replays_fill_successive_columns(backend):
+    model = _net()
+    static_x = torch.randn(16, 3, 32, 32, device="cuda")
+    act = ActivationStats(model, backend=backend, expected_batches=16)
+    act.on_train_begin()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up outside the graph, then forgotten
+            model(static_x).sum().backward()
+            act.on_batch_end(train=False)
+    torch.cuda.current_stream().wait_stream(side)
+
+    graph = torch.cuda.CUDAGraph()
+    with hook_outputs(act.modules) as outputs:
+        with torch.cuda.graph(graph):
+            model(static_x).sum().backward()
+        act.on_batch_end(train=False)  # the capture itself ran no real batch
+
+        seen = []
+        for i in range(5):
+            static_x.copy_(torch.randn_like(static_x) * (i + 1) + i)
+            graph.replay()
+            act.on_batch_end(train=True)
+            seen.append([o.clone() for o in outputs.stored])
+    act.on_train_end()
+    torch.testing.assert_close(act.stats.double(), reference_stats(seen), rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_cuda_model_matches_eager(backend):
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
+
+    batches = [torch.randn(8, 3, 32, 32, device="cuda") * (i + 1) for i in range(4)]
+    stats = []
+    for compiled in (False, True):
+        model = _net()
+        step = torch.compile(model, backend=counting, fullgraph=True) if compiled else model
+        with ActivationStats(model, backend=backend) as act:
+            for x in batches:
+                step(x).sum().backward()
+                act.on_batch_end(train=True)
+        stats.append(act.stats)
+    assert len(graphs) == 1
+    torch.testing.assert_close(stats[1], stats[0], rtol=1e-4, atol=1e-5)
