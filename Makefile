@@ -10,7 +10,7 @@ TORCH_CPU := torch==2.13.0
 TORCH_CUDA := torch==2.14.1
 PIP_QUIET := -q --disable-pip-version-check
 # Drop pip's notes about unreachable local index folders; keep everything else it says.
-PIP_FILTER := grep -v "is neither a file nor a directory" || true
+PIP_FILTER := { grep -v "is neither a file nor a directory" || true; }
 CUDA_ARCHS ?= 8.0;9.0
 
 .PHONY: setup build demo test test-cpu test-cuda-build lint bench bench-train bench-quick clean

@@ -1,0 +1,97 @@
+"""Side-by-side timing: variants interleaved in rounds so that machine drift hits them alike."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+@dataclass
+class Timing:
+    """Seconds per call of one variant over every timed call."""
+
+    samples: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def min(self) -> float:
+        return min(self.samples)
+
+    @property
+    def max(self) -> float:
+        return max(self.samples)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "median_s": self.median,
+            "min_s": self.min,
+            "max_s": self.max,
+            "n": len(self.samples),
+        }
+
+
+def time_call(fn: Callable[[], object], calls: int) -> float:
+    """Mean seconds per call of `calls` back-to-back calls."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def interleaved(
+    variants: dict[str, Callable[[], object]],
+    rounds: int,
+    calls: int,
+    warmup: int = 1,
+    on_round: Callable[[], None] | None = None,
+) -> dict[str, Timing]:
+    """Time every variant once per round, rotating their order; warm-up calls are not timed."""
+    names = list(variants)
+    for name in names:
+        for _ in range(warmup):
+            variants[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            samples[name].append(time_call(variants[name], calls))
+        if on_round is not None:
+            on_round()
+    return {name: Timing(s) for name, s in samples.items()}
+
+
+def geometric_mean(values: Iterable[float]) -> float:
+    values = list(values)
+    product = 1.0
+    for v in values:
+        product *= v
+    return product ** (1.0 / len(values))
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_line() -> str:
+    """The machine a run was on, for the header of a results table."""
+    import os
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), {time.strftime('%Y-%m-%d')}"
+    )
