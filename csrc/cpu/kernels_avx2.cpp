@@ -15,8 +15,6 @@
 namespace fasthooks {
 namespace avx2 {
 
-constexpr int64_t kLaneBytes = 128;
-
 inline void half_to_float(const c10::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {

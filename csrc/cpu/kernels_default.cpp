@@ -7,8 +7,6 @@
 namespace fasthooks {
 namespace portable {
 
-constexpr int64_t kLaneBytes = 64;
-
 inline void half_to_float(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
