@@ -181,7 +181,8 @@ def _resolve_model(model: Any) -> nn.Module:
 class HookCallback:
     """Registers `self.hook(m, input, output)` on `modules` for the length of training.
 
-    Subclasses define `hook`. The lifecycle keeps fastai v1's names (`on_train_begin`,
+    Subclasses define `hook`; it sees detached tensors unless the subclass sets
+    `detach = False`. The lifecycle keeps fastai v1's names (`on_train_begin`,
     `on_batch_end`, `on_train_end`); in a plain loop use it as a context manager.
 
     Example:
@@ -195,6 +196,8 @@ class HookCallback:
         >>> shapes
         [torch.Size([2, 4]), torch.Size([2, 2])]
     """
+
+    detach = True
 
     def __init__(
         self, model: Any, modules: Iterable[nn.Module] | None = None, do_remove: bool = True
@@ -215,7 +218,7 @@ class HookCallback:
         self._remove_hooks()
         if self.modules is None:
             self.modules = leaf_modules_with_params(self.model)
-        self.hooks = Hooks(self.modules, _weak_hook(self))
+        self.hooks = Hooks(self.modules, _weak_hook(self), detach=self.detach)
         self._finalizer = weakref.finalize(self, self.hooks.remove)
 
     def on_batch_end(self, train: bool = True, **kwargs: Any) -> None:

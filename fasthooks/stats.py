@@ -77,16 +77,20 @@ class ActivationStats(HookCallback):
         self._cursor = torch.zeros((), dtype=torch.int64, device=device)
         self._num_batches = 0
 
+    # Runs on every hooked module of every batch: detaching only the tensor it reads is cheaper
+    # than the generic detach of inputs and outputs.
+    detach = False
+
     def hook(self, m: nn.Module, i: Any, o: Any) -> None:
         if not m.training:
             return
-        x = first_tensor(o)
+        x = o if type(o) is torch.Tensor else first_tensor(o)
         if x is None:
             raise TypeError(
                 f"ActivationStats needs a tensor output from {type(m).__name__}, "
                 f"got {type(o).__name__}"
             )
-        self._accumulate(x, self._state, self._cursor, self._slots[m])
+        self._accumulate(x.detach(), self._state, self._cursor, self._slots[m])
 
     def on_batch_end(self, train: bool = True, **kwargs: Any) -> None:
         """Close the batch: a training batch gets its column, any other is forgotten."""

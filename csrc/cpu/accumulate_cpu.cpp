@@ -15,6 +15,7 @@ constexpr int64_t kChunk = 1 << 16;
 
 template <typename T>
 Moments dense_moments(const T* p, int64_t n, Moments (*kernel)(const T*, int64_t)) {
+  if (n <= kChunk) return kernel(p, n);  // a hook's typical call: no thread hand-off, no allocation
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<Moments> parts(chunks);
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
@@ -51,7 +52,7 @@ Moments tensor_moments(const at::Tensor& x) {
 void accumulate_moments_cpu(const at::Tensor& x, const at::Tensor& state,
                             const at::Tensor& cursor, int64_t slot) {
   check_accumulate_args(x, state, cursor, slot);
-  const int64_t column = cursor.item<int64_t>();
+  const int64_t column = *cursor.const_data_ptr<int64_t>();
   TORCH_CHECK(column >= 0 && column < state.size(2), "accumulate_moments: cursor must be in [0, ",
               state.size(2), "), got ", column);
   if (x.numel() == 0) return;
