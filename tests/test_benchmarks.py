@@ -1,0 +1,63 @@
+"""The training benchmark's --quick mode writes what it promises (structure, never timings)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FUSED
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = [
+    "no hooks",
+    "fastai v1 hook (reproduced)",
+    "fastai v2 hook (reproduced)",
+    "fasthooks python",
+    "fasthooks fused",
+]
+
+
+@FUSED
+@pytest.mark.slow
+def test_quick_training_benchmark_writes_table_json_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tqdm")
+    out = tmp_path / "bench"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "training_overhead.py"),
+            "--quick",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["quick"] is True and results["variants"] == VARIANTS
+    assert [m["model"].split(",")[0] for m in results["models"]] == [
+        "ResNet-style CNN",
+        "MLP 784-2048x3-10",
+        "Transformer encoder",
+    ]
+    for model in results["models"]:
+        assert model["hooked_modules"] > 0
+        assert set(model["variants"]) == set(VARIANTS)
+        for figures in model["variants"].values():
+            samples = figures["samples_s"]
+            assert len(samples) == results["rounds"] * results["steps"]
+            assert all(s > 0 for s in samples)
+            assert figures["min_s"] <= figures["median_s"] <= figures["max_s"]
+        assert model["variants"]["no hooks"]["overhead_pct"] == 0.0
+
+    table = (out / "results.md").read_text().splitlines()
+    rows = [line for line in table if line.startswith("| ") and "---" not in line]
+    assert rows[0] == "| model | variant | step ms (median) | min / max ms | overhead |"
+    assert len(rows) == 1 + 3 * len(VARIANTS)
+    assert (out / "overhead.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "training steps" in run.stderr  # the progress bar
