@@ -154,49 +154,83 @@ WORKLOADS = [
 ]
 
 
+def _time_hooks(callback: HookCallback, seconds: list[float]) -> None:
+    """Add the time spent inside callback.hook to `seconds` (its last entry)."""
+    hook = callback.hook
+
+    def timed(m: nn.Module, i: object, o: object) -> object:
+        start = time.perf_counter()
+        result = hook(m, i, o)
+        seconds[-1] += time.perf_counter() - start
+        return result
+
+    callback.hook = timed
+
+
 def measure(workload: Workload, rounds: int, steps: int, batch_size: int, progress: tqdm) -> dict:
-    """Per-step seconds of every variant, interleaved round by round."""
+    """Per-step seconds of every variant; variants take turns of `steps` steps in every round."""
     torch.manual_seed(0)
     model = workload.make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     x, y = workload.make_batch(batch_size)
-    samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    recorded: dict[str, int] = {}
-    for r in range(rounds):
+
+    def step(callback: HookCallback | None) -> float:
+        start = time.perf_counter()
+        loss = workload.loss(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if callback is not None:
+            callback.on_batch_end(train=True)
+        progress.update()
+        return time.perf_counter() - start
+
+    step_s: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    hook_s: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    paired: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    hooked_modules = 0
+    for r in range(-1, rounds):  # round -1 is warm-up, not recorded
         order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+        round_mean: dict[str, float] = {}
         for variant in order:
-            callback = make_callback(variant, model, expected_batches=steps + 1)
+            callback = make_callback(variant, model, expected_batches=steps)
+            in_hooks: list[float] = []
             if callback is not None:
+                _time_hooks(callback, in_hooks)
                 callback.on_train_begin()
-            for step in range(steps + 1):  # the first step of each turn is warm-up
-                start = time.perf_counter()
-                loss = workload.loss(model(x), y)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                if callback is not None:
-                    callback.on_batch_end(train=True)
-                if step > 0:
-                    samples[variant].append(time.perf_counter() - start)
-                progress.update()
-            if isinstance(callback, ActivationStats):
-                recorded[variant] = int(callback.stats.shape[1])
+                hooked_modules = len(callback.modules)
+            times = []
+            for _ in range(steps):
+                in_hooks.append(0.0)
+                times.append(step(callback))
             if callback is not None:
                 callback.on_train_end()
-    timings = {v: Timing(s) for v, s in samples.items()}
-    base = timings["no hooks"].median
+            if r >= 0:
+                step_s[variant] += times
+                hook_s[variant] += in_hooks or [0.0] * steps
+                round_mean[variant] = sum(times) / len(times)
+        if r >= 0:
+            for variant, mean in round_mean.items():
+                paired[variant].append(mean / round_mean["no hooks"] - 1.0)
+
+    base = Timing(step_s["no hooks"]).median
+    figures = {}
+    for variant in VARIANTS:
+        t = Timing(step_s[variant])
+        hooks = Timing(hook_s[variant])
+        figures[variant] = {
+            **t.as_dict(),
+            "overhead_pct": 100.0 * Timing(paired[variant]).median,
+            "hook_median_s": hooks.median,
+            "hook_pct": 100.0 * hooks.median / base,
+            "samples_s": step_s[variant],
+            "hook_samples_s": hook_s[variant],
+        }
     return {
         "model": workload.name,
         "batch_size": batch_size,
-        "hooked_modules": recorded.get("fasthooks fused", recorded.get("fasthooks python", 0)),
-        "variants": {
-            v: {
-                **t.as_dict(),
-                "overhead_pct": 100.0 * (t.median - base) / base,
-                "samples_s": samples[v],
-            }
-            for v, t in timings.items()
-        },
+        "hooked_modules": hooked_modules,
+        "variants": figures,
     }
 
 
@@ -205,19 +239,27 @@ def report(results: dict) -> str:
     for m in results["models"]:
         for v in VARIANTS:
             f = m["variants"][v]
+            none = v == "no hooks"
             rows.append(
                 [
-                    f"{m['model']}, batch {m['batch_size']}" if v == VARIANTS[0] else "",
+                    f"{m['model']}, batch {m['batch_size']}" if none else "",
                     v,
                     f"{f['median_s'] * 1e3:.1f}",
                     f"{f['min_s'] * 1e3:.1f} / {f['max_s'] * 1e3:.1f}",
-                    "-" if v == "no hooks" else f"{f['overhead_pct']:+.1f}%",
+                    "-" if none else f"{f['overhead_pct']:+.1f}%",
+                    "-" if none else f"{f['hook_median_s'] * 1e3:.2f} ({f['hook_pct']:.1f}%)",
                 ]
             )
     return (
-        f"Machine: {results['machine']}; {results['rounds']} rounds x {results['steps']} timed "
-        f"steps per variant and model (after one warm-up step per turn).\n\n"
-        + markdown_table(["model", "variant", "step ms (median)", "min / max ms", "overhead"], rows)
+        f"Machine: {results['machine']}. {results['rounds']} rounds; in each, every variant "
+        f"runs {results['steps']} timed steps in turn (rotating order), after a warm-up round. "
+        "Overhead: median over rounds of the step time against the no-hooks steps of the same "
+        "round. Hook time: time spent inside the hooks per step (in parentheses, as a share of "
+        "the no-hooks step), the less noisy figure on a shared machine.\n\n"
+        + markdown_table(
+            ["model", "variant", "step ms (median)", "min / max ms", "overhead", "hook ms / step"],
+            rows,
+        )
         + "\n"
     )
 
@@ -232,13 +274,13 @@ def plot(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(hooked)
     for k, variant in enumerate(hooked):
-        values = [m["variants"][variant]["overhead_pct"] for m in results["models"]]
+        values = [m["variants"][variant]["hook_pct"] for m in results["models"]]
         xs = [i + (k - (len(hooked) - 1) / 2) * width for i in range(len(values))]
         bars = ax.bar(xs, values, width, label=variant)
         ax.bar_label(bars, fmt="%.1f%%", fontsize="x-small")
     ax.set_xticks(range(len(results["models"])))
     ax.set_xticklabels([m["model"].split(",")[0] for m in results["models"]])
-    ax.set_ylabel("added time per training step (%)")
+    ax.set_ylabel("time inside the hooks (% of a step)")
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set_title(f"Cost of activation statistics per step\n{results['machine']}", fontsize="small")
     ax.legend(fontsize="small")
@@ -250,15 +292,15 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/training_overhead"))
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
     parser.add_argument(
         "--quick", action="store_true", help="2 rounds x 1 step at a quarter batch size"
     )
     args = parser.parse_args()
     rounds, steps, scale = (2, 1, 4) if args.quick else (args.rounds, args.steps, 1)
 
-    total = len(WORKLOADS) * rounds * len(VARIANTS) * (steps + 1)
+    total = len(WORKLOADS) * (rounds + 1) * len(VARIANTS) * steps
     with tqdm(total=total, unit="step", desc="training steps") as progress:
         models = [
             measure(w, rounds, steps, max(1, w.batch_size // scale), progress) for w in WORKLOADS

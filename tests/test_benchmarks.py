@@ -53,11 +53,16 @@ def test_quick_training_benchmark_writes_table_json_and_plot(tmp_path):
             assert len(samples) == results["rounds"] * results["steps"]
             assert all(s > 0 for s in samples)
             assert figures["min_s"] <= figures["median_s"] <= figures["max_s"]
+            assert len(figures["hook_samples_s"]) == len(samples)
         assert model["variants"]["no hooks"]["overhead_pct"] == 0.0
+        assert model["variants"]["no hooks"]["hook_median_s"] == 0.0
+        assert all(model["variants"][v]["hook_median_s"] > 0 for v in VARIANTS[1:])
 
     table = (out / "results.md").read_text().splitlines()
     rows = [line for line in table if line.startswith("| ") and "---" not in line]
-    assert rows[0] == "| model | variant | step ms (median) | min / max ms | overhead |"
+    assert rows[0] == (
+        "| model | variant | step ms (median) | min / max ms | overhead | hook ms / step |"
+    )
     assert len(rows) == 1 + 3 * len(VARIANTS)
     assert (out / "overhead.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "training steps" in run.stderr  # the progress bar
