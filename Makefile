@@ -27,7 +27,7 @@ build: $(VENV)/.ready
 	$(VENV)/bin/python setup.py -q build_ext --inplace
 
 demo: build
-	$(VENV)/bin/python examples/demo.py --out results/demo
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python examples/demo.py --out results/demo
 
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check .
@@ -53,13 +53,13 @@ test-cuda-build: $(CUDA_VENV)/.ready
 test: lint test-cpu test-cuda-build
 
 bench: build
-	$(VENV)/bin/python benchmarks/op_throughput.py --out results/op_throughput
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/op_throughput.py --out results/op_throughput
 
 bench-train: build
-	$(VENV)/bin/python benchmarks/training_overhead.py --out results/training_overhead
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/training_overhead.py --out results/training_overhead
 
 bench-quick: build
-	$(VENV)/bin/python benchmarks/training_overhead.py --quick --out results/training_quick
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/training_overhead.py --quick --out results/training_quick
 
 clean:
 	rm -rf build results fasthooks/_C*.so

@@ -123,6 +123,7 @@ class Workload:
     make_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
     batch_size: int
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    steps: int  # timed steps per turn: about a second of work, so every model gets a fair sample
 
 
 def _classes(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -136,6 +137,7 @@ WORKLOADS = [
         lambda b: (torch.randn(b, 3, 32, 32), torch.randint(0, 10, (b,))),
         128,
         _classes,
+        2,
     ),
     Workload(
         "MLP 784-2048x3-10",
@@ -143,6 +145,7 @@ WORKLOADS = [
         lambda b: (torch.randn(b, 784), torch.randint(0, 10, (b,))),
         256,
         _classes,
+        5,
     ),
     Workload(
         "Transformer encoder, 4 layers d256, seq 128",
@@ -150,6 +153,7 @@ WORKLOADS = [
         lambda b: (torch.randint(0, 1000, (b, 128)), torch.randint(0, 1000, (b, 128))),
         32,
         _classes,
+        1,
     ),
 ]
 
@@ -229,6 +233,7 @@ def measure(workload: Workload, rounds: int, steps: int, batch_size: int, progre
     return {
         "model": workload.name,
         "batch_size": batch_size,
+        "steps_per_turn": steps,
         "hooked_modules": hooked_modules,
         "variants": figures,
     }
@@ -242,7 +247,9 @@ def report(results: dict) -> str:
             none = v == "no hooks"
             rows.append(
                 [
-                    f"{m['model']}, batch {m['batch_size']}" if none else "",
+                    f"{m['model']}, batch {m['batch_size']}, {m['steps_per_turn']} step(s) per turn"
+                    if none
+                    else "",
                     v,
                     f"{f['median_s'] * 1e3:.1f}",
                     f"{f['min_s'] * 1e3:.1f} / {f['max_s'] * 1e3:.1f}",
@@ -252,7 +259,7 @@ def report(results: dict) -> str:
             )
     return (
         f"Machine: {results['machine']}. {results['rounds']} rounds; in each, every variant "
-        f"runs {results['steps']} timed steps in turn (rotating order), after a warm-up round. "
+        "runs its turn of timed steps (rotating order), after a warm-up round. "
         "Overhead: median over rounds of the step time against the no-hooks steps of the same "
         "round. Hook time: time spent inside the hooks per step (in parentheses, as a share of "
         "the no-hooks step), the less noisy figure on a shared machine.\n\n"
@@ -292,24 +299,25 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/training_overhead"))
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument(
         "--quick", action="store_true", help="2 rounds x 1 step at a quarter batch size"
     )
     args = parser.parse_args()
-    rounds, steps, scale = (2, 1, 4) if args.quick else (args.rounds, args.steps, 1)
+    rounds, scale = (2, 4) if args.quick else (args.rounds, 1)
 
-    total = len(WORKLOADS) * (rounds + 1) * len(VARIANTS) * steps
+    def steps(w: Workload) -> int:
+        return 1 if args.quick else w.steps
+
+    total = sum((rounds + 1) * len(VARIANTS) * steps(w) for w in WORKLOADS)
     with tqdm(total=total, unit="step", desc="training steps") as progress:
         models = [
-            measure(w, rounds, steps, max(1, w.batch_size // scale), progress) for w in WORKLOADS
+            measure(w, rounds, steps(w), max(1, w.batch_size // scale), progress) for w in WORKLOADS
         ]
     results = {
         "machine": machine_line(),
         "quick": args.quick,
         "rounds": rounds,
-        "steps": steps,
         "variants": VARIANTS,
         "models": models,
     }

@@ -42,6 +42,8 @@ def accumulate_moments_python(
         >>> state[:, 0, 0].tolist()
         [2.0, 2.0, 2.0]
     """
+    if x.device != state.device:
+        raise ValueError(f"x is on {x.device} but the statistics state is on {state.device}")
     x = x.detach()
     n_b = x.numel()
     if n_b == 0:

@@ -35,6 +35,10 @@ class ActivationStats(HookCallback):
     work on the activations' device; reading `stats` is the one place that waits for it.
     A module whose output is a tuple or list contributes its first tensor.
 
+    The buffer holds `expected_batches` columns and doubles when they run out. A step captured
+    in a CUDA graph keeps writing to the buffer it was captured with, so give
+    `expected_batches` for the whole run there (past its end a device-side assertion fires).
+
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
         >>> with ActivationStats(model, backend="python") as act:

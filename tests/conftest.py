@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         raise pytest.UsageError(
             f"FASTHOOKS_REQUIRE_EXT=1 but fasthooks._C did not load: {fasthooks.extension_error()}"
         )
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python that must import this same fasthooks build."""
+    package_root = str(Path(fasthooks.__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def reference_moments(*tensors: torch.Tensor) -> tuple[float, float]:

@@ -194,3 +194,12 @@ def test_non_tensor_output_is_named():
 def test_stats_before_training_is_empty():
     act = ActivationStats(nn.Linear(2, 2), modules=[])
     assert act.stats.shape == (2, 0, 0)
+
+
+def test_python_backend_names_a_device_mismatch():
+    from fasthooks.moments import accumulate_moments_python, new_state
+
+    with pytest.raises(ValueError, match="x is on meta but the statistics state is on cpu"):
+        accumulate_moments_python(
+            torch.empty(3, device="meta"), new_state(1, 1), torch.tensor(0), 0
+        )

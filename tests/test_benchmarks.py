@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FUSED
+from conftest import FUSED, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = [
@@ -35,6 +35,7 @@ def test_quick_training_benchmark_writes_table_json_and_plot(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        env=subprocess_env(),
     )
     assert run.returncode == 0, run.stderr[-2000:]
 
@@ -50,7 +51,7 @@ def test_quick_training_benchmark_writes_table_json_and_plot(tmp_path):
         assert set(model["variants"]) == set(VARIANTS)
         for figures in model["variants"].values():
             samples = figures["samples_s"]
-            assert len(samples) == results["rounds"] * results["steps"]
+            assert len(samples) == results["rounds"] * model["steps_per_turn"]
             assert all(s > 0 for s in samples)
             assert figures["min_s"] <= figures["median_s"] <= figures["max_s"]
             assert len(figures["hook_samples_s"]) == len(samples)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FUSED
+from conftest import FUSED, subprocess_env
 
 import fasthooks
 
@@ -31,7 +31,11 @@ except RuntimeError as error:
 
 def test_import_without_extension_falls_back_to_python():
     out = subprocess.run(
-        [sys.executable, "-c", WITHOUT_EXTENSION], capture_output=True, text=True, check=True
+        [sys.executable, "-c", WITHOUT_EXTENSION],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=subprocess_env(),
     )
     error, backend, refusal = out.stdout.splitlines()
     assert error.startswith("ModuleNotFoundError:") and "fasthooks._C" in error

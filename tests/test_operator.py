@@ -1,13 +1,12 @@
 """The accumulate_moments operator: numerics, layouts, special values and operator hygiene."""
 
 import math
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import DEVICES, FUSED, reference_moments
+from conftest import DEVICES, FUSED, reference_moments, subprocess_env
 
 from fasthooks import ops
 from fasthooks.moments import accumulate_moments_python, new_state, state_to_stats
@@ -180,7 +179,7 @@ def test_portable_kernels_give_the_same_numbers():
         "    s = new_state(1, 1); ops.accumulate_moments(x, s, torch.tensor(0), 0)\n"
         "    print(*s[:, 0, 0].tolist())\n"
     )
-    env = dict(os.environ, FASTHOOKS_CPU_CAPABILITY="default")
+    env = subprocess_env(FASTHOOKS_CPU_CAPABILITY="default")
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
     )
@@ -195,7 +194,7 @@ def test_portable_kernels_give_the_same_numbers():
 
 
 def test_unknown_capability_is_refused():
-    env = dict(os.environ, FASTHOOKS_CPU_CAPABILITY="avx9000")
+    env = subprocess_env(FASTHOOKS_CPU_CAPABILITY="avx9000")
     out = subprocess.run(
         [sys.executable, "-c", "import fasthooks.ops as ops; ops.cpu_capability()"],
         env=env,
