@@ -16,9 +16,9 @@ CUDA_ARCHS ?= 8.0;9.0
 .PHONY: setup build demo test test-cpu test-cuda-build lint bench bench-train bench-quick clean
 
 $(VENV)/.ready: Makefile
-	$(PYTHON) -m venv $(VENV)
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) numpy scikit-learn matplotlib tqdm \
-		pytest ruff ninja setuptools wheel 2>&1 | $(PIP_FILTER)
+		pytest ruff clang-format ninja setuptools wheel 2>&1 | $(PIP_FILTER)
 	touch $@
 
 setup: $(VENV)/.ready
@@ -32,12 +32,13 @@ demo: build
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu')
 
 test-cpu: build
-	FASTHOOKS_REQUIRE_EXT=1 $(VENV)/bin/python -m pytest
+	FASTHOOKS_REQUIRE_EXT=1 $(VENV)/bin/python -m pytest --doctest-modules fasthooks tests
 
 $(CUDA_VENV)/.ready: Makefile
-	$(PYTHON) -m venv $(CUDA_VENV)
+	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) numpy pytest ninja setuptools wheel \
 		2>&1 | $(PIP_FILTER)
 	touch $@

@@ -7,12 +7,12 @@
 
 namespace fasthooks {
 
-void check_accumulate_args(const at::Tensor& x, const at::Tensor& state,
-                           const at::Tensor& cursor, int64_t slot) {
+void check_accumulate_args(const at::Tensor& x, const at::Tensor& state, const at::Tensor& cursor,
+                           int64_t slot) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
-                  dtype == at::kBFloat16,
-              "accumulate_moments: x must be float32, float64, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(
+      dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
+      "accumulate_moments: x must be float32, float64, float16 or bfloat16, got ", dtype);
   TORCH_CHECK(state.scalar_type() == at::kDouble && state.dim() == 3 && state.size(0) == 3 &&
                   state.is_contiguous(),
               "accumulate_moments: state must be a contiguous float64 tensor of shape "

@@ -49,8 +49,8 @@ Moments tensor_moments(const at::Tensor& x) {
   }
 }
 
-void accumulate_moments_cpu(const at::Tensor& x, const at::Tensor& state,
-                            const at::Tensor& cursor, int64_t slot) {
+void accumulate_moments_cpu(const at::Tensor& x, const at::Tensor& state, const at::Tensor& cursor,
+                            int64_t slot) {
   check_accumulate_args(x, state, cursor, slot);
   const int64_t column = *cursor.const_data_ptr<int64_t>();
   TORCH_CHECK(column >= 0 && column < state.size(2), "accumulate_moments: cursor must be in [0, ",

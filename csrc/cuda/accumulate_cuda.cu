@@ -5,8 +5,8 @@
 // deterministic) and merges them into the state slot at the device-side cursor.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-#include <ATen/ops/empty.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/macros/Macros.h>
@@ -115,17 +115,16 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t column = *cursor;
     CUDA_KERNEL_ASSERT(column >= 0 && column < capacity);
     double* at = state + slot * capacity + column;
-    const Moments merged =
-        merge({at[0], at[plane], at[2 * plane]},
-              moments_from_shifted_sums(static_cast<double>(n), shift, t1, t2));
+    const Moments merged = merge({at[0], at[plane], at[2 * plane]},
+                                 moments_from_shifted_sums(static_cast<double>(n), shift, t1, t2));
     at[0] = merged.count;
     at[plane] = merged.mean;
     at[2 * plane] = merged.m2;
   }
 }
 
-void accumulate_moments_cuda(const at::Tensor& x, const at::Tensor& state,
-                             const at::Tensor& cursor, int64_t slot) {
+void accumulate_moments_cuda(const at::Tensor& x, const at::Tensor& state, const at::Tensor& cursor,
+                             int64_t slot) {
   check_accumulate_args(x, state, cursor, slot);
   if (x.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -152,8 +151,8 @@ void accumulate_moments_cuda(const at::Tensor& x, const at::Tensor& state,
         using acc_t = at::opmath_type<scalar_t>;
         accumulate_moments_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(
             dense.const_data_ptr<scalar_t>(), n, vectorised, partials, finished,
-            state.mutable_data_ptr<double>(), cursor.const_data_ptr<int64_t>(), slot,
-            state.size(2), state_plane(state));
+            state.mutable_data_ptr<double>(), cursor.const_data_ptr<int64_t>(), slot, state.size(2),
+            state_plane(state));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
 }
