@@ -255,3 +255,18 @@ def test_callable_from_torchscript():
     count, mean, m2 = state[:, 0, 1].tolist()
     assert count == 1000
     _assert_within_bounds(mean, math.sqrt(m2 / 999), *reference_moments(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_matches_the_python_reference(dtype, device):
+    g = torch.Generator().manual_seed(11)
+    calls = [torch.randn(4, 16, 9, 9, generator=g) * 3 + 1, torch.randn(70_001, generator=g).relu()]
+    states = {}
+    for backend, accumulate in ACCUMULATORS.items():
+        state = new_state(2, 2, device)
+        for column, x in enumerate(calls):
+            accumulate(x.to(dtype).to(device), state, torch.tensor(column, device=device), 1)
+            accumulate(x.to(dtype).to(device) * 2, state, torch.tensor(column, device=device), 1)
+        states[backend] = state.cpu()
+    torch.testing.assert_close(states["fused"], states["python"], rtol=1e-6, atol=1e-9)

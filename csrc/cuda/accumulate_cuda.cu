@@ -22,7 +22,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kBlocksPerSm = 8;
 constexpr int kVecBytes = 16;
 
 template <typename T>
@@ -123,20 +122,24 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-void accumulate_moments_cuda(const at::Tensor& x, const at::Tensor& state, const at::Tensor& cursor,
-                             int64_t slot) {
-  check_accumulate_args(x, state, cursor, slot);
-  if (x.numel() == 0) return;
-  const c10::cuda::CUDAGuard guard(x.device());
-  // Moments ignore element order, so any dense layout (channels_last included) is read in place.
-  const at::Tensor dense = x.is_non_overlapping_and_dense() ? x : x.contiguous();
+template <typename T>
+void launch(const at::Tensor& dense, const at::Tensor& state, const at::Tensor& cursor,
+            int64_t slot) {
+  using Acc = at::opmath_type<T>;
+  const auto kernel = accumulate_moments_kernel<T, Acc>;
+  // As many blocks as can be resident at once: the grid-stride loop covers the rest.
+  static const int blocks_per_sm = [&] {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
+    return blocks;
+  }();
   const int64_t n = dense.numel();
-  const int64_t per_block = static_cast<int64_t>(kThreads) * (kVecBytes / dense.element_size());
-  const int64_t max_blocks =
+  const int64_t per_block = static_cast<int64_t>(kThreads) * (kVecBytes / sizeof(T));
+  const int64_t resident =
       static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
-      kBlocksPerSm;
+      blocks_per_sm;
   const int64_t wanted = (n + per_block - 1) / per_block;
-  const int blocks = static_cast<int>(wanted < max_blocks ? wanted : max_blocks);
+  const int blocks = static_cast<int>(wanted < resident ? wanted : resident);
 
   // Two partial sums per block, then one double whose bytes hold the finished-blocks counter.
   const at::Tensor workspace = at::empty({2 * blocks + 1}, state.options());
@@ -145,16 +148,24 @@ void accumulate_moments_cuda(const at::Tensor& x, const at::Tensor& state, const
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   C10_CUDA_CHECK(cudaMemsetAsync(finished, 0, sizeof(double), stream));
 
-  const bool vectorised = reinterpret_cast<uintptr_t>(dense.const_data_ptr()) % kVecBytes == 0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, dense.scalar_type(), "accumulate_moments_cuda", [&] {
-        using acc_t = at::opmath_type<scalar_t>;
-        accumulate_moments_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(
-            dense.const_data_ptr<scalar_t>(), n, vectorised, partials, finished,
-            state.mutable_data_ptr<double>(), cursor.const_data_ptr<int64_t>(), slot, state.size(2),
-            state_plane(state));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+  const T* x = dense.const_data_ptr<T>();
+  const bool vectorised = reinterpret_cast<uintptr_t>(x) % kVecBytes == 0;
+  kernel<<<blocks, kThreads, 0, stream>>>(
+      x, n, vectorised, partials, finished, state.mutable_data_ptr<double>(),
+      cursor.const_data_ptr<int64_t>(), slot, state.size(2), state_plane(state));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void accumulate_moments_cuda(const at::Tensor& x, const at::Tensor& state, const at::Tensor& cursor,
+                             int64_t slot) {
+  check_accumulate_args(x, state, cursor, slot);
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  // Moments ignore element order, so any dense layout (channels_last included) is read in place.
+  const at::Tensor dense = x.is_non_overlapping_and_dense() ? x : x.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dense.scalar_type(),
+                                  "accumulate_moments_cuda",
+                                  [&] { launch<scalar_t>(dense, state, cursor, slot); });
 }
 
 }  // namespace
