@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -80,10 +82,7 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 def machine_line() -> str:
     """The machine a run was on, for the header of a results table."""
-    import os
-    import platform
-
-    import torch
+    import torch  # only here: the timing helpers themselves need no torch
 
     cpu = platform.processor() or platform.machine()
     try:
