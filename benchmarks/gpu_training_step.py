@@ -13,7 +13,7 @@ import torch
 from fastai_reference import fastai_v1_hook
 from timing import markdown_table
 from torch import nn
-from training_overhead import ReproducedFastaiStats
+from training_overhead import ReproducedFastaiStats, train_step
 
 from fasthooks import ActivationStats
 
@@ -85,6 +85,9 @@ def main() -> None:
         total = args.rounds * (args.steps + 2)
         return ActivationStats(model, backend=variant.split()[-1], expected_batches=total)
 
+    def bf16() -> torch.autocast:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(args.rounds):
         for variant in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:
@@ -96,13 +99,7 @@ def main() -> None:
                 if step == 2:
                     torch.cuda.synchronize()
                     start.record()
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = nn.functional.cross_entropy(model(x), y)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                if cb is not None:
-                    cb.on_batch_end(train=True)
+                train_step(model, nn.functional.cross_entropy, optimizer, (x, y), cb, bf16)
             end.record()
             torch.cuda.synchronize()
             times[variant].append(start.elapsed_time(end) / args.steps)

@@ -10,6 +10,7 @@ results.json (every figure) and overhead.png to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -158,6 +159,25 @@ WORKLOADS = [
 ]
 
 
+def train_step(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    callback: HookCallback | None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> None:
+    """One optimiser step on `batch`, then the callback's end of a training batch."""
+    x, y = batch
+    with autocast():
+        loss = loss_fn(model(x), y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    if callback is not None:
+        callback.on_batch_end(train=True)
+
+
 def _time_hooks(callback: HookCallback, seconds: list[float]) -> None:
     """Add the time spent inside callback.hook to `seconds` (its last entry)."""
     hook = callback.hook
@@ -176,16 +196,11 @@ def measure(workload: Workload, rounds: int, steps: int, batch_size: int, progre
     torch.manual_seed(0)
     model = workload.make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    x, y = workload.make_batch(batch_size)
+    batch = workload.make_batch(batch_size)
 
     def step(callback: HookCallback | None) -> float:
         start = time.perf_counter()
-        loss = workload.loss(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if callback is not None:
-            callback.on_batch_end(train=True)
+        train_step(model, workload.loss, optimizer, batch, callback)
         progress.update()
         return time.perf_counter() - start
 
