@@ -1,27 +1,15 @@
-"""The reference statistics: per-slot moments merged with tensor ops, and their read-out.
+"""The reference statistics: per-slot statistics merged with tensor ops (the Python backend).
 
-The state of a statistics run is one float64 tensor of shape `(3, modules, batches)`
-holding, for every (module, batch) slot, the element count, the mean and the sum of
-squared deviations (M2). Slots are merged with Chan's parallel formula, so a module that
-runs several times in a batch ends with the moments of all its calls. Everything here is
-a tensor op on the state's device: nothing waits for the device.
+`accumulate_stats_python` has the fused operator's signature and writes the same buffers
+(see `layout.py`): it merges the statistics of a tensor into one (module, batch) slot and
+finalises that slot. Everything is a tensor op on the state's device: nothing waits for it.
 """
 
 from __future__ import annotations
 
 import torch
 
-COUNT, MEAN, M2 = 0, 1, 2
-
-
-def new_state(num_modules: int, capacity: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """An empty `(3, num_modules, capacity)` float64 moment state on `device`.
-
-    Example:
-        >>> new_state(4, 16).shape
-        torch.Size([3, 4, 16])
-    """
-    return torch.zeros(3, num_modules, capacity, dtype=torch.float64, device=device)
+from .layout import COUNT, M2, M3, M4, MAX, MEAN, MIN, NEAR_ZERO, NONFINITE, STATE_PLANES
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -31,61 +19,167 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def accumulate_moments_python(
-    x: torch.Tensor, state: torch.Tensor, cursor: torch.Tensor, slot: int
-) -> None:
-    """Merge the moments of all of `x` into `state[:, slot, cursor]`, in place, with tensor ops.
+def bin_edges(bins: int, lo: float, hi: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The `bins + 1` float64 edges of equal bins over [lo, hi], as every backend computes them.
 
     Example:
-        >>> state, cursor = new_state(1, 2), torch.tensor(0)
-        >>> accumulate_moments_python(torch.tensor([1.0, 3.0]), state, cursor, 0)
-        >>> state[:, 0, 0].tolist()
+        >>> bin_edges(4, 0.0, 1.0).tolist()
+        [0.0, 0.25, 0.5, 0.75, 1.0]
+    """
+    k = torch.arange(bins + 1, dtype=torch.float64, device=device)
+    edges = lo + (hi - lo) * k / bins
+    edges[-1] = hi
+    return edges
+
+
+def histogram(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
+    """int64 counts of x in `bins` equal bins over [lo, hi]: the top edge falls in the last bin,
+    values outside the range and NaN in none, as `torch.histc`.
+
+    Example:
+        >>> histogram(torch.tensor([0.0, 0.5, 1.0, 2.0, float("nan")]), 2, 0.0, 1.0).tolist()
+        [1, 2]
+    """
+    values = x.reshape(-1).to(accumulation_dtype(x.dtype)).double()
+    edges = bin_edges(bins, lo, hi, x.device)
+    index = torch.bucketize(values, edges, right=True) - 1
+    index = torch.where(values == hi, bins - 1, index)
+    index = torch.where((index >= 0) & (index < bins), index, bins)  # bin `bins`: outside
+    counts = torch.zeros(bins + 1, dtype=torch.int64, device=x.device)
+    return counts.scatter_add_(0, index, torch.ones_like(index))[:bins]
+
+
+def batch_stats(x: torch.Tensor, full: bool, near_zero: float) -> torch.Tensor:
+    """The float64 state planes of the values of a non-empty x (all planes, or the first three).
+
+    Example:
+        >>> batch_stats(torch.tensor([1.0, 3.0]), False, 0.05).tolist()
         [2.0, 2.0, 2.0]
+    """
+    x = x.reshape(-1).to(accumulation_dtype(x.dtype))
+    n = torch.tensor(x.numel(), dtype=torch.float64, device=x.device)
+    if not full:
+        # torch.mean rather than var_mean's Welford mean, which turns an infinite mean into NaN.
+        return torch.stack((n, x.mean().double(), x.var(correction=0).double() * n))
+    values = x.double()
+    mean = values.mean()
+    d = values - mean
+    d2 = d * d
+    return torch.stack(
+        (
+            n,
+            mean,
+            d2.sum(),
+            (d2 * d).sum(),
+            (d2 * d2).sum(),
+            x.amin().double(),
+            x.amax().double(),
+            (x <= near_zero).sum().double(),
+            (~x.isfinite()).sum().double(),
+        )
+    )
+
+
+def merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pairwise merge of two stacks of state planes (leading axis), as the kernels merge them.
+
+    Example:
+        >>> one, two = torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0, 3.0, 0.0])
+        >>> merge(one, two).tolist()
+        [2.0, 2.0, 2.0]
+    """
+    na, nb = a[COUNT], b[COUNT]
+    n = na + nb
+    delta = b[MEAN] - a[MEAN]
+    ab = na * nb / n
+    planes = [n, (na * a[MEAN] + nb * b[MEAN]) / n, a[M2] + b[M2] + delta * delta * ab]
+    if a.shape[0] == len(STATE_PLANES):
+        d_n = delta / n
+        planes += [
+            a[M3] + b[M3] + delta * delta * d_n * ab * (na - nb)
+            + 3.0 * d_n * (na * b[M2] - nb * a[M2]),
+            a[M4] + b[M4] + delta * delta * d_n * d_n * ab * (na * na - na * nb + nb * nb)
+            + 6.0 * d_n * d_n * (na * na * b[M2] + nb * nb * a[M2])
+            + 4.0 * d_n * (na * b[M3] - nb * a[M3]),
+            torch.minimum(a[MIN], b[MIN]),
+            torch.maximum(a[MAX], b[MAX]),
+            a[NEAR_ZERO] + b[NEAR_ZERO],
+            a[NONFINITE] + b[NONFINITE],
+        ]
+    merged = torch.stack(planes)
+    # An empty side leaves the other as it is (and no inf - inf can creep in from it).
+    return torch.where(na == 0, b, torch.where(nb == 0, a, merged))
+
+
+def finalise(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 (mean, std) and, for a full state, (min, max, near_zero, kurtosis) of state planes.
+
+    A slot with no element reads NaN; std and kurtosis need two elements, kurtosis a spread.
+
+    Example:
+        >>> stats, extra = finalise(torch.tensor([2.0, 2.0, 2.0]))
+        >>> stats.tolist(), extra
+        ([2.0, 1.4142135381698608], None)
+    """
+    count = state[COUNT]
+    nan = torch.full_like(count, float("nan"))
+    some, several = count > 0, count > 1
+    stats = torch.stack(
+        (
+            torch.where(some, state[MEAN], nan),
+            torch.where(several, (state[M2] / (count - 1)).sqrt(), nan),
+        )
+    ).float()
+    if state.shape[0] != len(STATE_PLANES):
+        return stats, None
+    m2 = state[M2]
+    extra = torch.stack(
+        (
+            torch.where(some, state[MIN], nan),
+            torch.where(some, state[MAX], nan),
+            torch.where(some, state[NEAR_ZERO] / count, nan),
+            torch.where(several & (m2 > 0), count * state[M4] / (m2 * m2), nan),
+        )
+    ).float()
+    return stats, extra
+
+
+def accumulate_stats_python(
+    x: torch.Tensor,
+    state: torch.Tensor,
+    stats: torch.Tensor,
+    extra: torch.Tensor,
+    hist: torch.Tensor,
+    workspace: torch.Tensor,
+    cursor: torch.Tensor,
+    slot: int,
+    near_zero: float,
+    hist_min: float,
+    hist_max: float,
+) -> None:
+    """Merge the statistics of all of `x` into slot (`slot`, `cursor`) of the buffers, in place.
+
+    Example:
+        >>> from fasthooks.buffers import StatBuffers
+        >>> b = StatBuffers(1, 2, "cpu", full=False, hist_bins=0)
+        >>> accumulate_stats_python(torch.tensor([1.0, 3.0]), *b.op_args(), 0, 0.05, 0.0, 1.0)
+        >>> b.stats[:, 0, 0].tolist()
+        [2.0, 1.4142135381698608]
     """
     if x.device != state.device:
         raise ValueError(f"x is on {x.device} but the statistics state is on {state.device}")
-    x = x.detach()
-    n_b = x.numel()
-    if n_b == 0:
+    if x.numel() == 0:
         return
-    x = x.to(accumulation_dtype(x.dtype))
-    # torch.mean rather than var_mean's Welford mean, which turns an infinite mean into NaN.
-    mean_b = x.mean().double()
-    m2_b = x.var(correction=0).double() * n_b
+    x = x.detach()
+    full = state.shape[0] == len(STATE_PLANES)
     column = cursor.reshape(1)
     slot_state = state[:, slot]
-    n_a, mean_a, m2_a = slot_state.index_select(1, column).unbind(0)
-    n = n_a + n_b
-    delta = mean_b - mean_a
-    merged = torch.stack(
-        (
-            n,
-            (n_a * mean_a + n_b * mean_b) / n,
-            m2_a + m2_b + delta * delta * (n_a * n_b / n),
-        )
-    )
-    slot_state.index_copy_(1, column, merged)
-
-
-def clear_column(state: torch.Tensor, cursor: torch.Tensor) -> None:
-    """Forget every module's moments at the cursor's column."""
-    state.index_fill_(2, cursor.reshape(1), 0.0)
-
-
-def state_to_stats(state: torch.Tensor) -> torch.Tensor:
-    """The `(2, modules, batches)` float32 mean and unbiased std of a moment state.
-
-    A slot with no element reads NaN/NaN; one element reads its value and NaN std, as
-    `torch.std` does.
-
-    Example:
-        >>> state = new_state(1, 1)
-        >>> accumulate_moments_python(torch.tensor([1.0, 3.0]), state, torch.tensor(0), 0)
-        >>> state_to_stats(state)[:, 0, 0].tolist()
-        [2.0, 1.4142135381698608]
-    """
-    count, mean, m2 = state.unbind(0)
-    nan = torch.full_like(mean, float("nan"))
-    mean = torch.where(count > 0, mean, nan)
-    std = torch.where(count > 1, (m2 / (count - 1)).sqrt(), nan)
-    return torch.stack((mean, std)).float()
+    merged = merge(slot_state.index_select(1, column)[:, 0], batch_stats(x, full, near_zero))
+    slot_state.index_copy_(1, column, merged.unsqueeze(1))
+    new_stats, new_extra = finalise(merged)
+    stats[:, slot].index_copy_(1, column, new_stats.unsqueeze(1))
+    if new_extra is not None:
+        extra[:, slot].index_copy_(1, column, new_extra.unsqueeze(1))
+    if hist.numel() > 0:
+        counts = histogram(x, hist.shape[2], hist_min, hist_max)
+        hist[slot].index_add_(0, column, counts.unsqueeze(0))

@@ -11,9 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from .moments import accumulate_moments_python
+from .moments import accumulate_stats_python
 
-Accumulate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+# (x, state, stats, extra, hist, workspace, cursor, slot, near_zero, hist_min, hist_max)
+Accumulate = Callable[..., None]
 BACKENDS = ("auto", "fused", "python")
 BUILD_HINT = (
     "build it with `pip install --no-build-isolation .` (or `make test`) in an environment "
@@ -34,9 +35,19 @@ _LOAD_ERROR = _load_extension()
 
 if _LOAD_ERROR is None:
 
-    @torch.library.register_fake("fasthooks::accumulate_moments")
-    def _accumulate_moments_fake(
-        x: torch.Tensor, state: torch.Tensor, cursor: torch.Tensor, slot: int
+    @torch.library.register_fake("fasthooks::accumulate_stats")
+    def _accumulate_stats_fake(
+        x: torch.Tensor,
+        state: torch.Tensor,
+        stats: torch.Tensor,
+        extra: torch.Tensor,
+        hist: torch.Tensor,
+        workspace: torch.Tensor,
+        cursor: torch.Tensor,
+        slot: int,
+        near_zero: float,
+        hist_min: float,
+        hist_max: float,
     ) -> None:
         return None
 
@@ -62,22 +73,41 @@ def cpu_capability() -> str:
     return torch.ops.fasthooks.cpu_capability()
 
 
-def accumulate_moments(
-    x: torch.Tensor, state: torch.Tensor, cursor: torch.Tensor, slot: int
+def accumulate_stats(
+    x: torch.Tensor,
+    state: torch.Tensor,
+    stats: torch.Tensor,
+    extra: torch.Tensor,
+    hist: torch.Tensor,
+    workspace: torch.Tensor,
+    cursor: torch.Tensor,
+    slot: int,
+    near_zero: float = 0.05,
+    hist_min: float = 0.0,
+    hist_max: float = 10.0,
 ) -> None:
-    """Merge the moments of all of `x` into `state[:, slot, cursor]` with the fused operator.
+    """Merge the statistics of all of `x` into slot (`slot`, `cursor`) with the fused operator.
 
     Example:
-        >>> from fasthooks.moments import new_state
-        >>> state = new_state(1, 1)
+        >>> from fasthooks.buffers import StatBuffers
+        >>> b = StatBuffers(1, 1, "cpu", full=True, hist_bins=0)
         >>> if extension_available():
-        ...     accumulate_moments(torch.tensor([1.0, 3.0]), state, torch.tensor(0), 0)
-        ...     print(state[:, 0, 0].tolist())
+        ...     accumulate_stats(torch.tensor([1.0, 3.0]), *b.op_args(), 0)
+        ...     print(b.stats[:, 0, 0].tolist(), b.extra[:, 0, 0].tolist())
         ... else:
-        ...     print([2.0, 2.0, 2.0])
-        [2.0, 2.0, 2.0]
+        ...     print([2.0, 1.4142135381698608], [1.0, 3.0, 0.0, 1.0])
+        [2.0, 1.4142135381698608] [1.0, 3.0, 0.0, 1.0]
     """
-    torch.ops.fasthooks.accumulate_moments(x, state, cursor, slot)
+    torch.ops.fasthooks.accumulate_stats(
+        x, state, stats, extra, hist, workspace, cursor, slot, near_zero, hist_min, hist_max
+    )
+
+
+def kernel_layout() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The (state planes, extra planes) order the compiled kernels were built with."""
+    _require_extension()
+    state, extra = torch.ops.fasthooks.layout().split(";")
+    return tuple(state.split(",")), tuple(extra.split(","))
 
 
 def _require_extension() -> None:
@@ -98,7 +128,7 @@ def resolve_backend(backend: str) -> tuple[str, Accumulate]:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "python" or (backend == "auto" and _LOAD_ERROR is not None):
-        return "python", accumulate_moments_python
+        return "python", accumulate_stats_python
     _require_extension()
     # The operator itself, not a Python wrapper around it: one call less on every hook.
-    return "fused", torch.ops.fasthooks.accumulate_moments.default
+    return "fused", torch.ops.fasthooks.accumulate_stats.default

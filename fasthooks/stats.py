@@ -1,15 +1,18 @@
-"""ActivationStats: per-batch mean and std of each hooked module's output, never waiting on it."""
+"""ActivationStats: per-batch statistics of each hooked module's output, never waiting on them."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from .buffers import HostCopy, StatBuffers
 from .hook import HookCallback
-from .moments import clear_column, new_state, state_to_stats
+from .layout import EXTRA_PLANES, EXTRAS, MAX_HIST_BINS
 from .ops import resolve_backend
 
 DEFAULT_CAPACITY = 64
@@ -27,26 +30,64 @@ def first_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
+def _check_extra(extra: Any) -> tuple[str, ...]:
+    names = (extra,) if isinstance(extra, str) else tuple(extra)
+    for name in names:
+        if name not in EXTRAS:
+            raise ValueError(f"extra: unknown statistic {name!r}; valid ones are {EXTRAS}")
+    return tuple(dict.fromkeys(names))
+
+
+def _check_hist(hist_bins: Any, hist_range: Any) -> tuple[int, float, float]:
+    if isinstance(hist_bins, bool) or not isinstance(hist_bins, numbers.Integral):
+        raise TypeError(f"hist_bins must be an int, got {type(hist_bins).__name__}")
+    if not 0 <= hist_bins <= MAX_HIST_BINS:
+        raise ValueError(f"hist_bins must be in [0, {MAX_HIST_BINS}], got {hist_bins}")
+    try:
+        lo, hi = (float(v) for v in hist_range)
+    except (TypeError, ValueError):
+        raise ValueError(f"hist_range must be two numbers (lo, hi), got {hist_range!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ValueError(f"hist_range must be finite with lo < hi, got {hist_range!r}")
+    return int(hist_bins), lo, hi
+
+
 class ActivationStats(HookCallback):
-    """Records the mean and std of each hooked module's output for every training batch.
+    """Records statistics of each hooked module's output for every training batch.
 
     `stats` is a float32 CPU tensor of shape `(2, modules, batches)`: axis 0 is (mean, std),
     one column per batch ended with `on_batch_end(train=True)`. The hooks only launch
-    work on the activations' device; reading `stats` is the one place that waits for it.
+    work on the activations' device; reading is the one place that waits for it.
     A module whose output is a tuple or list contributes its first tensor.
 
-    The buffer holds `expected_batches` columns and doubles when they run out. A step captured
-    in a CUDA graph keeps writing to the buffer it was captured with, so give
+    `extra` asks for more statistics from the same read pass, each read from `act.extra[name]`
+    as a CPU tensor `(modules, batches)`: "min" and "max" (float32; NaN when a NaN is among
+    the elements, as `torch.amin`/`amax`), "near_zero" (float32, the fraction of elements
+    `<= near_zero`), "nonfinite" (int64, how many elements are NaN or infinite) and
+    "kurtosis" (float32, m4 / m2**2 of the population central moments: 3.0 for a normal
+    distribution; NaN with fewer than 2 elements or no spread).
+
+    `hist_bins > 0` adds `act.hist`, int64 `(modules, batches, hist_bins)`: exact counts of the
+    elements in `hist_bins` equal bins over `hist_range`. As in `torch.histc`, the top edge is
+    counted in the last bin and values outside the range, and NaN, in none.
+
+    A module that runs several times in a batch gets the statistics of all its calls (merged
+    exactly); one that did not run reads NaN and counts 0. Forward calls in eval mode and
+    batches closed with `train=False` are not recorded.
+
+    The buffers hold `expected_batches` columns and double when they run out. A step captured
+    in a CUDA graph keeps writing to the buffers it was captured with, so give
     `expected_batches` for the whole run there (past its end a device-side assertion fires).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-        >>> with ActivationStats(model, backend="python") as act:
+        >>> act = ActivationStats(model, backend="python", extra=["max"], hist_bins=10)
+        >>> with act:
         ...     for _ in range(3):
         ...         _ = model(torch.randn(32, 8))
         ...         act.on_batch_end(train=True)
-        >>> act.stats.shape
-        torch.Size([2, 2, 3])
+        >>> act.stats.shape, act.extra["max"].shape, act.hist.shape
+        (torch.Size([2, 2, 3]), torch.Size([2, 3]), torch.Size([2, 3, 10]))
     """
 
     def __init__(
@@ -56,15 +97,27 @@ class ActivationStats(HookCallback):
         do_remove: bool = True,
         backend: str = "auto",
         expected_batches: int = DEFAULT_CAPACITY,
+        extra: Iterable[str] = (),
+        near_zero: float = 0.05,
+        hist_bins: int = 0,
+        hist_range: tuple[float, float] = (0.0, 10.0),
     ) -> None:
         super().__init__(model, modules, do_remove)
         if not isinstance(expected_batches, int) or expected_batches < 1:
             raise ValueError(f"expected_batches must be a positive int, got {expected_batches!r}")
+        if isinstance(near_zero, bool) or not isinstance(near_zero, numbers.Real):
+            raise TypeError(f"near_zero must be a number, got {type(near_zero).__name__}")
+        if math.isnan(near_zero):
+            raise ValueError("near_zero must not be NaN")
         self.backend, self._accumulate = resolve_backend(backend)
         self.expected_batches = expected_batches
+        self.extra_names = _check_extra(extra)
+        self.near_zero = float(near_zero)
+        self.hist_bins, self.hist_min, self.hist_max = _check_hist(hist_bins, hist_range)
         self._slots: dict[nn.Module, int] = {}
-        self._state: torch.Tensor | None = None
-        self._cursor: torch.Tensor | None = None
+        self._buffers: StatBuffers | None = None
+        self._args: tuple[torch.Tensor, ...] = ()
+        self._host: dict[str, HostCopy] = {}
         self._num_batches = 0
 
     def on_train_begin(self, **kwargs: Any) -> None:
@@ -77,8 +130,16 @@ class ActivationStats(HookCallback):
                 raise ValueError(f"modules[{i}] repeats modules[{self._slots[m]}]")
             self._slots[m] = i
         device = next(self.model.parameters(), torch.empty(0)).device
-        self._state = new_state(len(self.modules), self.expected_batches, device)
-        self._cursor = torch.zeros((), dtype=torch.int64, device=device)
+        self._buffers = StatBuffers(
+            len(self.modules), self.expected_batches, device, bool(self.extra_names), self.hist_bins
+        )
+        self._args = self._buffers.op_args()
+        self._host = {
+            "stats": HostCopy(2, torch.float32),
+            "extra": HostCopy(2, torch.float32),
+            "nonfinite": HostCopy(1, torch.int64),
+            "hist": HostCopy(1, torch.int64),
+        }
         self._num_batches = 0
 
     # Runs on every hooked module of every batch: detaching only the tensor it reads is cheaper
@@ -94,35 +155,72 @@ class ActivationStats(HookCallback):
                 f"ActivationStats needs a tensor output from {type(m).__name__}, "
                 f"got {type(o).__name__}"
             )
-        self._accumulate(x.detach(), self._state, self._cursor, self._slots[m])
+        self._accumulate(
+            x.detach(),
+            *self._args,
+            self._slots[m],
+            self.near_zero,
+            self.hist_min,
+            self.hist_max,
+        )
 
     def on_batch_end(self, train: bool = True, **kwargs: Any) -> None:
         """Close the batch: a training batch gets its column, any other is forgotten."""
-        if self._state is None or self._cursor is None:
+        if self._buffers is None:
             raise RuntimeError("on_batch_end() called before on_train_begin()")
         if not train:
-            clear_column(self._state, self._cursor)
+            self._buffers.clear_column()
             return
         self._num_batches += 1
-        if self._num_batches == self._state.shape[2]:
-            self._grow()
-        self._cursor.add_(1)
-
-    def _grow(self) -> None:
-        """Double the capacity, keeping every recorded column."""
-        assert self._state is not None
-        old = self._state
-        self._state = new_state(old.shape[1], 2 * old.shape[2], old.device)
-        self._state[:, :, : old.shape[2]].copy_(old)
+        if self._num_batches == self._buffers.capacity:
+            self._buffers.grow()
+            self._args = self._buffers.op_args()
+        self._buffers.cursor.add_(1)
 
     @property
     def num_batches(self) -> int:
         """How many training batches have been recorded."""
         return self._num_batches
 
+    def _read(self, name: str, source: torch.Tensor) -> torch.Tensor:
+        """The recorded columns of a buffer on the CPU: a view there, else new columns copied."""
+        copy = self._host[name]
+        if source.device.type == "cpu" and source.dtype == copy.dtype:
+            return source.narrow(copy.axis, 0, self._num_batches)
+        return copy.read(source, self._num_batches)
+
     @property
     def stats(self) -> torch.Tensor:
-        """`(2, modules, batches)` float32 CPU (mean, std); NaN where a module did not run."""
-        if self._state is None:
+        """`(2, modules, batches)` float32 CPU (mean, std); NaN where a module did not run.
+
+        On the CPU this is a view of the live buffer (clone it to keep it past the run's end).
+        """
+        if self._buffers is None:
             return torch.empty(2, len(self.modules or ()), 0)
-        return state_to_stats(self._state[:, :, : self._num_batches].cpu())
+        return self._read("stats", self._buffers.stats)
+
+    @property
+    def extra(self) -> dict[str, torch.Tensor]:
+        """Each requested extra statistic as a CPU tensor `(modules, batches)`."""
+        if not self.extra_names:
+            return {}
+        if self._buffers is None:
+            empty = torch.empty(len(self.modules or ()), 0)
+            return {n: empty.long() if n == "nonfinite" else empty for n in self.extra_names}
+        planes = self._read("extra", self._buffers.extra)
+        out = {}
+        for name in self.extra_names:
+            if name == "nonfinite":
+                out[name] = self._read("nonfinite", self._buffers.nonfinite())
+            else:
+                out[name] = planes[EXTRA_PLANES.index(name)]
+        return out
+
+    @property
+    def hist(self) -> torch.Tensor:
+        """`(modules, batches, hist_bins)` int64 CPU counts; only with `hist_bins > 0`."""
+        if not self.hist_bins:
+            raise AttributeError("hist is recorded only with hist_bins > 0")
+        if self._buffers is None:
+            return torch.zeros(len(self.modules or ()), 0, self.hist_bins, dtype=torch.int64)
+        return self._read("hist", self._buffers.hist)

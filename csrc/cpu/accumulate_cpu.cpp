@@ -1,7 +1,8 @@
-// CPU kernel of fasthooks::accumulate_moments: one parallel read pass, merged into the state slot.
+// CPU kernel of fasthooks::accumulate_stats: one parallel read pass, merged into the state slot.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <mutex>
 #include <vector>
 
 #include "../checks.h"
@@ -12,61 +13,123 @@ namespace {
 
 // Small enough to spread a few MB over threads, large enough that a chunk streams at full speed.
 constexpr int64_t kChunk = 1 << 16;
+// Lane-private uint32 counters are flushed into int64 before this many values could overflow them.
+constexpr int64_t kChunksPerFlush = (int64_t{1} << 31) / kChunk;
 
-template <typename T>
-Moments dense_moments(const T* p, int64_t n, Moments (*kernel)(const T*, int64_t)) {
-  if (n <= kChunk) return kernel(p, n);  // a hook's typical call: no thread hand-off, no allocation
+// Adds lane-private rows of (bins + 1) counters into `counts`, the last counter of a row dropped.
+void flush_rows(std::vector<uint32_t>& rows, std::vector<int64_t>& counts) {
+  const size_t stride = counts.size() + 1;
+  for (size_t lane = 0; lane < kHistLanes; ++lane) {
+    for (size_t k = 0; k < counts.size(); ++k) counts[k] += rows[lane * stride + k];
+  }
+  std::fill(rows.begin(), rows.end(), 0u);
+}
+
+template <bool Full, typename T, typename Acc>
+Stats dense_stats(const T* p, int64_t n, ChunkFn<T, Acc> kernel, const ChunkParams<Acc>& params,
+                  std::vector<int64_t>& counts) {
+  const bool hist = params.bins != nullptr;
+  const size_t rows_size = hist ? kHistLanes * (counts.size() + 1) : 0;
+  if (n <= kChunk) {  // a hook's typical call: no thread hand-off
+    std::vector<uint32_t> rows(rows_size);
+    const Stats s = kernel(p, n, params, hist ? rows.data() : nullptr);
+    if (hist) flush_rows(rows, counts);
+    return s;
+  }
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  std::vector<Moments> parts(chunks);
+  std::vector<Stats> parts(chunks);
+  std::mutex counts_mutex;
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> rows(rows_size);
+    std::vector<int64_t> local(counts.size());
     for (int64_t c = begin; c < end; ++c) {
       const int64_t start = c * kChunk;
-      parts[c] = kernel(p + start, n - start < kChunk ? n - start : kChunk);
+      parts[c] = kernel(p + start, n - start < kChunk ? n - start : kChunk, params,
+                        hist ? rows.data() : nullptr);
+      if (hist && ((c - begin + 1) % kChunksPerFlush == 0 || c + 1 == end)) {
+        flush_rows(rows, local);
+      }
+    }
+    if (hist) {
+      const std::lock_guard<std::mutex> lock(counts_mutex);
+      for (size_t k = 0; k < counts.size(); ++k) counts[k] += local[k];
     }
   });
   // Merged in chunk order, so the result does not depend on the number of threads.
-  Moments total{0.0, 0.0, 0.0};
-  for (const Moments& part : parts) total = merge(total, part);
+  Stats total;
+  for (const Stats& part : parts) total = merge<Full>(total, part);
   return total;
 }
 
-Moments tensor_moments(const at::Tensor& x) {
-  // Moments ignore element order, so any dense layout (channels_last included) is read in place.
-  const at::Tensor dense = x.is_non_overlapping_and_dense() ? x : x.contiguous();
-  const ChunkKernels& k = cpu_kernels();
-  const int64_t n = dense.numel();
-  switch (dense.scalar_type()) {
-    case at::kFloat:
-      return dense_moments(dense.const_data_ptr<float>(), n, k.f32);
-    case at::kDouble:
-      return dense_moments(dense.const_data_ptr<double>(), n, k.f64);
-    case at::kHalf:
-      return dense_moments(dense.const_data_ptr<c10::Half>(), n, k.f16);
-    case at::kBFloat16:
-      return dense_moments(dense.const_data_ptr<c10::BFloat16>(), n, k.bf16);
-    default:
-      TORCH_CHECK(false, "accumulate_moments: unsupported dtype ", dense.scalar_type());
-  }
+template <bool Full, typename T, typename Acc>
+void merge_into_slot(const T* p, int64_t n, ChunkFn<T, Acc> kernel, const ChunkParams<Acc>& params,
+                     std::vector<int64_t>& counts, const SlotPointers& slot) {
+  const Stats batch = dense_stats<Full>(p, n, kernel, params, counts);
+  store_slot<Full>(slot, merge<Full>(load_slot<Full>(slot), batch));
 }
 
-void accumulate_moments_cpu(const at::Tensor& x, const at::Tensor& state, const at::Tensor& cursor,
-                            int64_t slot) {
-  check_accumulate_args(x, state, cursor, slot);
+template <typename T, typename Acc>
+void accumulate(const at::Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bool full,
+                const SlotPointers& slot, double near_zero, const at::Tensor& hist,
+                int64_t hist_offset, double hist_min, double hist_max) {
+  const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
+  std::vector<Acc> lower(bins);
+  for (int64_t k = 0; k < bins; ++k) lower[k] = round_up<Acc>(hist_edge(k, bins, hist_min, hist_max));
+  const BinTable<Acc> table{lower.data(), round_down<Acc>(hist_max), static_cast<Acc>(hist_min),
+                            static_cast<Acc>(bins / (hist_max - hist_min)), bins};
+  const ChunkParams<Acc> params{static_cast<Acc>(near_zero), bins > 0 ? &table : nullptr};
+  std::vector<int64_t> counts(bins);
+  const T* p = dense.const_data_ptr<T>();
+  if (full) {
+    merge_into_slot<true>(p, dense.numel(), kernels[1], params, counts, slot);
+  } else {
+    merge_into_slot<false>(p, dense.numel(), kernels[0], params, counts, slot);
+  }
+  int64_t* row = hist.numel() > 0 ? hist.mutable_data_ptr<int64_t>() + hist_offset : nullptr;
+  for (int64_t k = 0; k < bins; ++k) row[k] += counts[k];
+}
+
+void accumulate_stats_cpu(const at::Tensor& x, const at::Tensor& state, const at::Tensor& stats,
+                          const at::Tensor& extra, const at::Tensor& hist,
+                          const at::Tensor& workspace, const at::Tensor& cursor, int64_t slot,
+                          double near_zero, double hist_min, double hist_max) {
+  const bool full =
+      check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot, hist_min,
+                            hist_max);
   const int64_t column = *cursor.const_data_ptr<int64_t>();
-  TORCH_CHECK(column >= 0 && column < state.size(2), "accumulate_moments: cursor must be in [0, ",
-              state.size(2), "), got ", column);
+  const int64_t batches = state.size(2);
+  TORCH_CHECK(column >= 0 && column < batches, "accumulate_stats: cursor must be in [0, ", batches,
+              "), got ", column);
   if (x.numel() == 0) return;
-  const Moments batch = tensor_moments(x);
-  const int64_t plane = state_plane(state);
-  double* at = state.mutable_data_ptr<double>() + slot * state.size(2) + column;
-  const Moments merged = merge({at[0], at[plane], at[2 * plane]}, batch);
-  at[0] = merged.count;
-  at[plane] = merged.mean;
-  at[2 * plane] = merged.m2;
+  const int64_t cell = slot * batches + column;
+  const int64_t plane = state.size(1) * batches;
+  const SlotPointers at_slot{state.mutable_data_ptr<double>() + cell, plane,
+                             stats.mutable_data_ptr<float>() + cell, plane,
+                             full ? extra.mutable_data_ptr<float>() + cell : nullptr};
+  const int64_t hist_offset = hist.numel() > 0 ? cell * hist.size(2) : 0;
+  // Statistics ignore element order, so any dense layout (channels_last included) is read in place.
+  const at::Tensor dense = x.is_non_overlapping_and_dense() ? x : x.contiguous();
+  const ChunkKernels& k = cpu_kernels();
+  switch (dense.scalar_type()) {
+    case at::kFloat:
+      return accumulate(dense, k.f32, full, at_slot, near_zero, hist, hist_offset, hist_min,
+                        hist_max);
+    case at::kDouble:
+      return accumulate(dense, k.f64, full, at_slot, near_zero, hist, hist_offset, hist_min,
+                        hist_max);
+    case at::kHalf:
+      return accumulate(dense, k.f16, full, at_slot, near_zero, hist, hist_offset, hist_min,
+                        hist_max);
+    case at::kBFloat16:
+      return accumulate(dense, k.bf16, full, at_slot, near_zero, hist, hist_offset, hist_min,
+                        hist_max);
+    default:
+      TORCH_CHECK(false, "accumulate_stats: unsupported dtype ", dense.scalar_type());
+  }
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fasthooks, CPU, m) { m.impl("accumulate_moments", &accumulate_moments_cpu); }
+TORCH_LIBRARY_IMPL(fasthooks, CPU, m) { m.impl("accumulate_stats", &accumulate_stats_cpu); }
 
 }  // namespace fasthooks

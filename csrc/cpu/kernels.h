@@ -1,4 +1,4 @@
-// Per-chunk moment kernels, one table per instruction set.
+// Per-chunk statistics kernels, one table per instruction set.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -6,15 +6,30 @@
 
 #include <cstdint>
 
-#include "../moments.h"
+#include "../histogram.h"
+#include "../stats.h"
 
 namespace fasthooks {
 
+// What a chunk kernel needs besides the values; `bins` is null without a histogram.
+template <typename Acc>
+struct ChunkParams {
+  Acc near_zero;
+  const BinTable<Acc>* bins;
+};
+
+// Statistics of n contiguous values; with a histogram, each value's bin is counted in one of
+// kHistLanes lane-private rows of (bins + 1) counters (the last one takes values in no bin).
+template <typename T, typename Acc>
+using ChunkFn = Stats (*)(const T*, int64_t, const ChunkParams<Acc>&, uint32_t*);
+constexpr int64_t kHistLanes = 4;
+
+// Index 0: mean and std only; index 1: every statistic.
 struct ChunkKernels {
-  Moments (*f32)(const float*, int64_t);
-  Moments (*f64)(const double*, int64_t);
-  Moments (*f16)(const c10::Half*, int64_t);
-  Moments (*bf16)(const c10::BFloat16*, int64_t);
+  ChunkFn<float, float> f32[2];
+  ChunkFn<double, double> f64[2];
+  ChunkFn<c10::Half, float> f16[2];
+  ChunkFn<c10::BFloat16, float> bf16[2];
 };
 
 extern const ChunkKernels default_kernels;

@@ -24,7 +24,7 @@ inline void half_to_float(const c10::Half* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i].x);
 }
 
-#include "chunk_moments_impl.h"
+#include "chunk_stats_impl.h"
 
 }  // namespace avx2
 }  // namespace fasthooks

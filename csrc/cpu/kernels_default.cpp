@@ -11,7 +11,7 @@ inline void half_to_float(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-#include "chunk_moments_impl.h"
+#include "chunk_stats_impl.h"
 
 }  // namespace portable
 

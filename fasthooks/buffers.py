@@ -1,0 +1,116 @@
+"""The preallocated buffers of one statistics run, and their host copies for reading.
+
+Layout in `layout.py`. The hooks write into these buffers on the activations' device; the
+training loop moves the batch cursor; reading copies to the host only what was not copied
+before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import CUDA_WORKSPACE_DOUBLES, EXTRA_PLANES, NONFINITE, state_planes
+
+
+class StatBuffers:
+    """Every buffer the operator writes for `num_modules` modules and `capacity` batch columns.
+
+    Example:
+        >>> b = StatBuffers(3, 8, "cpu", full=True, hist_bins=40)
+        >>> b.state.shape, b.stats.shape, b.extra.shape, b.hist.shape
+        (torch.Size([9, 3, 8]), torch.Size([2, 3, 8]), torch.Size([4, 3, 8]), torch.Size([3, 8, 40]))
+    """
+
+    def __init__(
+        self,
+        num_modules: int,
+        capacity: int,
+        device: torch.device | str,
+        full: bool,
+        hist_bins: int,
+    ) -> None:
+        device = torch.device(device)
+        self.full, self.hist_bins = full, hist_bins
+        self.cursor = torch.zeros((), dtype=torch.int64, device=device)
+        # Partial results of the CUDA kernels; the zeroed counter is reset by the kernel itself.
+        self.workspace = torch.zeros(
+            CUDA_WORKSPACE_DOUBLES if device.type == "cuda" else 0,
+            dtype=torch.float64,
+            device=device,
+        )
+        self._allocate(num_modules, capacity, device)
+
+    def _allocate(self, num_modules: int, capacity: int, device: torch.device) -> None:
+        self.state = torch.zeros(
+            state_planes(self.full), num_modules, capacity, dtype=torch.float64, device=device
+        )
+        self.stats = torch.full((2, num_modules, capacity), float("nan"), device=device)
+        extra_shape = (len(EXTRA_PLANES), num_modules, capacity) if self.full else (0,)
+        self.extra = torch.full(extra_shape, float("nan"), device=device)
+        hist_shape = (num_modules, capacity, self.hist_bins) if self.hist_bins else (0,)
+        self.hist = torch.zeros(hist_shape, dtype=torch.int64, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.state.shape[2]
+
+    def op_args(self) -> tuple[torch.Tensor, ...]:
+        """(state, stats, extra, hist, workspace, cursor): the operator's buffer arguments."""
+        return self.state, self.stats, self.extra, self.hist, self.workspace, self.cursor
+
+    def grow(self) -> None:
+        """Double the capacity, keeping every column."""
+        old = (self.state, self.stats, self.extra, self.hist)
+        capacity = self.capacity
+        self._allocate(self.state.shape[1], 2 * capacity, self.state.device)
+        for new, previous, axis in zip(
+            (self.state, self.stats, self.extra, self.hist), old, (2, 2, 2, 1), strict=True
+        ):
+            if previous.numel() > 0:
+                new.narrow(axis, 0, capacity).copy_(previous)
+
+    def clear_column(self) -> None:
+        """Forget every module's statistics at the cursor's column."""
+        column = self.cursor.reshape(1)
+        self.state.index_fill_(2, column, 0.0)
+        self.stats.index_fill_(2, column, float("nan"))
+        if self.full:
+            self.extra.index_fill_(2, column, float("nan"))
+        if self.hist_bins:
+            self.hist.index_fill_(1, column, 0)
+
+    def nonfinite(self) -> torch.Tensor:
+        """The exact float64 count of NaN and infinite elements per slot, `(modules, capacity)`."""
+        return self.state[NONFINITE]
+
+
+class HostCopy:
+    """A CPU copy of the first columns of a device buffer; each column is copied once.
+
+    Columns before the cursor never change again, so only new ones cross from the device.
+
+    Example:
+        >>> copy = HostCopy(axis=1, dtype=torch.int64)
+        >>> copy.read(torch.tensor([[1.0, 2.0, 3.0]]), 2).tolist()
+        [[1, 2]]
+    """
+
+    def __init__(self, axis: int, dtype: torch.dtype) -> None:
+        self.axis, self.dtype = axis, dtype
+        self.host: torch.Tensor | None = None
+        self.done = 0
+
+    def read(self, source: torch.Tensor, columns: int) -> torch.Tensor:
+        """The first `columns` columns of `source` on the CPU, copying only the unseen ones."""
+        if self.host is None or self.host.shape[self.axis] < columns:
+            shape = list(source.shape)
+            shape[self.axis] = max(columns, 2 * (0 if self.host is None else self.done))
+            host = torch.empty(shape, dtype=self.dtype)
+            if self.host is not None:
+                host.narrow(self.axis, 0, self.done).copy_(self.host.narrow(self.axis, 0, self.done))
+            self.host = host
+        if self.done < columns:
+            fresh = source.narrow(self.axis, self.done, columns - self.done)
+            self.host.narrow(self.axis, self.done, columns - self.done).copy_(fresh)
+            self.done = columns
+        return self.host.narrow(self.axis, 0, columns)

@@ -1,0 +1,41 @@
+"""The set of statistics and the layout of their buffers: the one place every backend reads.
+
+For `modules` hooked modules and a capacity of `batches` columns, a run owns, on the
+activations' device:
+
+- `state`, float64 `(planes, modules, batches)`: the merge state of every (module, batch) slot,
+  `STATE_PLANES[:BASIC_PLANES]` when only mean and std are asked for, all of `STATE_PLANES`
+  with extras;
+- `stats`, float32 `(2, modules, batches)`: mean and unbiased std, finalised on every call;
+- `extra`, float32 `(len(EXTRA_PLANES), modules, batches)` with extras, else empty: finalised
+  min, max, near-zero fraction and kurtosis (the non-finite count is the state's own plane);
+- `hist`, int64 `(modules, batches, bins)` with a histogram, else empty.
+
+The C++ kernels carry the same plane order (`csrc/stats.h`); `torch.ops.fasthooks.layout()`
+reports it and a test compares the two.
+"""
+
+from __future__ import annotations
+
+EXTRAS = ("min", "max", "near_zero", "nonfinite", "kurtosis")
+STATE_PLANES = ("count", "mean", "m2", "m3", "m4", "min", "max", "near_zero", "nonfinite")
+BASIC_PLANES = 3
+STATS_PLANES = ("mean", "std")
+EXTRA_PLANES = ("min", "max", "near_zero", "kurtosis")
+# Per-module histograms live in shared memory on CUDA: this many bins fit on every GPU.
+MAX_HIST_BINS = 4096
+# CUDA kernels keep per-block partial results here: 8 doubles for each of up to 4096 blocks, and
+# the counter of finished blocks.
+CUDA_WORKSPACE_DOUBLES = 8 * 4096 + 1
+
+COUNT, MEAN, M2, M3, M4, MIN, MAX, NEAR_ZERO, NONFINITE = range(len(STATE_PLANES))
+
+
+def state_planes(full: bool) -> int:
+    """How many state planes a run keeps: all of them with extras, else mean and std's three.
+
+    Example:
+        >>> state_planes(False), state_planes(True)
+        (3, 9)
+    """
+    return len(STATE_PLANES) if full else BASIC_PLANES
