@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "histogram.h"
 #include "stats.h"
 
 namespace fasthooks {
@@ -48,6 +49,9 @@ bool check_accumulate_args(const at::Tensor& x, const at::Tensor& state, const a
                 "accumulate_stats: hist_min and hist_max must be finite with hist_min < hist_max, "
                 "got ",
                 hist_min, " and ", hist_max);
+    TORCH_CHECK(bins_resolvable(hist.size(2), hist_min, hist_max), "accumulate_stats: ",
+                hist.size(2), " bins over [", hist_min, ", ", hist_max,
+                "] are narrower than 2^-16 of the range's magnitude");
   }
   TORCH_CHECK(cursor.scalar_type() == at::kLong && cursor.numel() == 1,
               "accumulate_stats: cursor must be a one-element int64 tensor, got ",

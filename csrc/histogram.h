@@ -31,7 +31,14 @@ C10_HOST_DEVICE inline Acc round_down(double e) {
   return static_cast<double>(r) > e ? step(r, static_cast<Acc>(-INFINITY)) : r;
 }
 
-// What a kernel needs to place a value: lower[k] is edge k rounded up, for k in [0, bins).
+// Bins must be wide enough for a float32 first guess to land within one bin of the right one.
+C10_HOST_DEVICE inline bool bins_resolvable(int64_t bins, double lo, double hi) {
+  const double scale = fabs(lo) > fabs(hi) ? fabs(lo) : fabs(hi);
+  return (hi - lo) / static_cast<double>(bins) >= ldexp(scale, -16);
+}
+
+// What a kernel needs to place a value: lower[k] is edge k rounded up for k in [0, bins), and
+// lower[bins] is +inf, so that the step up from the last bin needs no bounds check.
 template <typename Acc>
 struct BinTable {
   const Acc* lower;
@@ -41,17 +48,25 @@ struct BinTable {
   int64_t bins;
 };
 
-// The bin of v, or `bins` for a value that belongs to no bin. The first guess can be off by
-// rounding near an edge; comparing with the exact edges settles it.
+template <typename Acc>
+C10_HOST_DEVICE inline Acc lower_edge(int64_t k, int64_t bins, double lo, double hi) {
+  return k == bins ? static_cast<Acc>(INFINITY) : round_up<Acc>(hist_edge(k, bins, lo, hi));
+}
+
+// The bin of v, or `bins` for a value that belongs to no bin. The first guess is within one bin
+// of the right one (bins_resolvable); comparing with the exact edges settles it. No branch
+// depends on where v falls.
 template <typename Acc>
 C10_HOST_DEVICE inline int64_t bin_of(Acc v, const BinTable<Acc>& t) {
-  if (!(v >= t.lower[0] && v <= t.top)) return t.bins;
-  const Acc guess = (v - t.lo) * t.scale;
+  Acc guess = (v - t.lo) * t.scale;
+  guess = guess > Acc(0) ? guess : Acc(0);  // NaN becomes 0 here
   const Acc last = static_cast<Acc>(t.bins - 1);
-  int64_t pos = static_cast<int64_t>(guess < last ? (guess > Acc(0) ? guess : Acc(0)) : last);
-  while (pos > 0 && v < t.lower[pos]) --pos;
-  while (pos + 1 < t.bins && v >= t.lower[pos + 1]) ++pos;
-  return pos;
+  guess = guess < last ? guess : last;
+  int64_t pos = static_cast<int64_t>(guess);
+  pos -= v < t.lower[pos];  // -1 only for a value below the range
+  pos += v >= t.lower[pos + 1];
+  const int64_t keep = -static_cast<int64_t>((v >= t.lower[0]) & (v <= t.top));
+  return (pos & keep) | (t.bins & ~keep);
 }
 
 }  // namespace fasthooks

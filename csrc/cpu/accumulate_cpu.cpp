@@ -73,8 +73,8 @@ void accumulate(const at::Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bo
                 const SlotPointers& slot, double near_zero, const at::Tensor& hist,
                 int64_t hist_offset, double hist_min, double hist_max) {
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
-  std::vector<Acc> lower(bins);
-  for (int64_t k = 0; k < bins; ++k) lower[k] = round_up<Acc>(hist_edge(k, bins, hist_min, hist_max));
+  std::vector<Acc> lower(bins + 1);
+  for (int64_t k = 0; k <= bins; ++k) lower[k] = lower_edge<Acc>(k, bins, hist_min, hist_max);
   const BinTable<Acc> table{lower.data(), round_down<Acc>(hist_max), static_cast<Acc>(hist_min),
                             static_cast<Acc>(bins / (hist_max - hist_min)), bins};
   const ChunkParams<Acc> params{static_cast<Acc>(near_zero), bins > 0 ? &table : nullptr};

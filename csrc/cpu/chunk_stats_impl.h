@@ -136,15 +136,47 @@ inline void count_nonfinite(const Acc* p, int64_t n, Stats& s) {
   if (nan) s.min = s.max = NAN;
 }
 
+// Two passes over the block (in L1 by now). A vector pass finds every value's bin: a first guess
+// clamped into range, one step down or up against the exact edges (gathered), and the outside
+// bin for values outside the range; as scalar code, GCC turns the clamps into branches that
+// random data mispredicts half the time (measured: 12 ns a value). Then a scalar pass counts
+// each bin in one of kHistLanes lane-private rows, so that consecutive values in one bin do not
+// wait on each other's store.
 template <typename Acc>
-inline void add_to_histogram(const Acc* p, int64_t n, const BinTable<Acc>& bins, uint32_t* rows) {
-  const int64_t stride = bins.bins + 1;
-  int64_t i = 0;
-  // Lane-private rows: consecutive values that fall in one bin do not wait on each other's store.
-  for (; i + kHistLanes <= n; i += kHistLanes) {
-    for (int64_t k = 0; k < kHistLanes; ++k) ++rows[k * stride + bin_of(p[i + k], bins)];
+inline void add_to_histogram(const Acc* p, int64_t n, const BinTable<Acc>& t, uint32_t* rows) {
+  typedef Acc Vec __attribute__((vector_size(32)));
+  using Index = decltype(Vec{} < Vec{});
+  using Int = std::conditional_t<sizeof(Acc) == 4, int32_t, int64_t>;
+  constexpr int64_t lanes = 32 / sizeof(Acc);
+  const Vec lo = Vec{} + t.lo;
+  const Vec scale = Vec{} + t.scale;
+  const Vec last = Vec{} + static_cast<Acc>(t.bins - 1);
+  const Vec first = Vec{} + t.lower[0];
+  const Vec top = Vec{} + t.top;
+  const Index outside = Index{} + static_cast<Int>(t.bins);
+  Int bins[kBlock];
+  const int64_t vectors = n / lanes * lanes;
+  for (int64_t i = 0; i < vectors; i += lanes) {
+    Vec v;
+    std::memcpy(&v, p + i, sizeof(Vec));
+    Vec guess = (v - lo) * scale;
+    guess = guess > Vec{} ? guess : Vec{};  // NaN becomes 0 here and falls outside below
+    guess = guess < last ? guess : last;
+    Index pos = __builtin_convertvector(guess, Index);
+    pos += v < gather(t.lower, pos);  // a true comparison is -1
+    pos -= v >= gather(t.lower, pos + 1);
+    pos = (v >= first) & (v <= top) ? pos : outside;
+    std::memcpy(bins + i, &pos, sizeof(Index));
   }
-  for (; i < n; ++i) ++rows[bin_of(p[i], bins)];
+  const int64_t stride = t.bins + 1;
+  static_assert(kHistLanes == 4 && lanes % kHistLanes == 0);
+  for (int64_t i = 0; i < vectors; i += kHistLanes) {
+    ++rows[bins[i]];
+    ++rows[stride + bins[i + 1]];
+    ++rows[2 * stride + bins[i + 2]];
+    ++rows[3 * stride + bins[i + 3]];
+  }
+  for (int64_t i = vectors; i < n; ++i) ++rows[bin_of(p[i], t)];
 }
 
 // Statistics of one block, summed around `shift`, then once more around the block's own mean

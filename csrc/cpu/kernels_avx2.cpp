@@ -24,6 +24,19 @@ inline void half_to_float(const c10::Half* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i].x);
 }
 
+typedef float Float8 __attribute__((vector_size(32)));
+typedef int32_t Int8 __attribute__((vector_size(32)));
+typedef double Double4 __attribute__((vector_size(32)));
+typedef int64_t Long4 __attribute__((vector_size(32)));
+
+inline Float8 gather(const float* table, Int8 index) {
+  return reinterpret_cast<Float8>(_mm256_i32gather_ps(table, reinterpret_cast<__m256i>(index), 4));
+}
+inline Double4 gather(const double* table, Long4 index) {
+  return reinterpret_cast<Double4>(
+      _mm256_i64gather_pd(table, reinterpret_cast<__m256i>(index), 8));
+}
+
 #include "chunk_stats_impl.h"
 
 }  // namespace avx2
