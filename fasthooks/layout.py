@@ -22,8 +22,8 @@ STATE_PLANES = ("count", "mean", "m2", "m3", "m4", "min", "max", "near_zero", "n
 BASIC_PLANES = 3
 STATS_PLANES = ("mean", "std")
 EXTRA_PLANES = ("min", "max", "near_zero", "kurtosis")
-# Per-module histograms live in shared memory on CUDA: this many bins fit on every GPU.
-MAX_HIST_BINS = 4096
+# A CUDA block keeps its histogram and the bin edges in shared memory: this many fit on any GPU.
+MAX_HIST_BINS = 2048
 # CUDA kernels keep per-block partial results here: 8 doubles for each of up to 4096 blocks, and
 # the counter of finished blocks.
 CUDA_WORKSPACE_DOUBLES = 8 * 4096 + 1

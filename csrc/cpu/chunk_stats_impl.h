@@ -163,8 +163,11 @@ inline void add_to_histogram(const Acc* p, int64_t n, const BinTable<Acc>& t, ui
     guess = guess > Vec{} ? guess : Vec{};  // NaN becomes 0 here and falls outside below
     guess = guess < last ? guess : last;
     Index pos = __builtin_convertvector(guess, Index);
-    pos += v < gather(t.lower, pos);  // a true comparison is -1
-    pos -= v >= gather(t.lower, pos + 1);
+    Vec edge;
+    gather(t.lower, pos, edge);
+    pos += v < edge;  // a true comparison is -1
+    gather(t.lower, pos + 1, edge);
+    pos -= v >= edge;
     pos = (v >= first) & (v <= top) ? pos : outside;
     std::memcpy(bins + i, &pos, sizeof(Index));
   }

@@ -29,12 +29,11 @@ typedef int32_t Int8 __attribute__((vector_size(32)));
 typedef double Double4 __attribute__((vector_size(32)));
 typedef int64_t Long4 __attribute__((vector_size(32)));
 
-inline Float8 gather(const float* table, Int8 index) {
-  return reinterpret_cast<Float8>(_mm256_i32gather_ps(table, reinterpret_cast<__m256i>(index), 4));
+inline void gather(const float* table, const Int8& index, Float8& out) {
+  out = reinterpret_cast<Float8>(_mm256_i32gather_ps(table, reinterpret_cast<__m256i>(index), 4));
 }
-inline Double4 gather(const double* table, Long4 index) {
-  return reinterpret_cast<Double4>(
-      _mm256_i64gather_pd(table, reinterpret_cast<__m256i>(index), 8));
+inline void gather(const double* table, const Long4& index, Double4& out) {
+  out = reinterpret_cast<Double4>(_mm256_i64gather_pd(table, reinterpret_cast<__m256i>(index), 8));
 }
 
 #include "chunk_stats_impl.h"
