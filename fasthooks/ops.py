@@ -49,7 +49,14 @@ if _LOAD_ERROR is None:
         hist_min: float,
         hist_max: float,
     ) -> None:
-        return None
+        # Also the Meta kernel: a meta tensor among real ones must not silently skip the update.
+        tensors = {"x": x, "stats": stats, "extra": extra, "hist": hist, "workspace": workspace}
+        for name, t in {**tensors, "cursor": cursor}.items():
+            if t.device != state.device:
+                raise RuntimeError(
+                    f"accumulate_stats: {name} must be on the state's device {state.device}, "
+                    f"got {t.device}"
+                )
 
 
 def extension_available() -> bool:

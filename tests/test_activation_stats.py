@@ -197,9 +197,9 @@ def test_stats_before_training_is_empty():
 
 
 def test_python_backend_names_a_device_mismatch():
-    from fasthooks.moments import accumulate_moments_python, new_state
+    from fasthooks.buffers import StatBuffers
+    from fasthooks.moments import accumulate_stats_python
 
+    buffers = StatBuffers(1, 1, "cpu", full=False, hist_bins=0)
     with pytest.raises(ValueError, match="x is on meta but the statistics state is on cpu"):
-        accumulate_moments_python(
-            torch.empty(3, device="meta"), new_state(1, 1), torch.tensor(0), 0
-        )
+        accumulate_stats_python(torch.empty(3, device="meta"), *buffers.op_args(), 0, 0.05, 0, 1)

@@ -61,5 +61,5 @@ def test_compiled_graph_calls_the_fused_operator():
     with ActivationStats(model, backend="fused"):
         compiled(torch.randn(2, 3, 8, 8))
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
-    op = torch.ops.fasthooks.accumulate_moments
+    op = torch.ops.fasthooks.accumulate_stats
     assert sum(t in (op, op.default) for t in targets) == 3

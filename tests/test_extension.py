@@ -45,7 +45,7 @@ def test_import_without_extension_falls_back_to_python():
 
 
 def _registered_kernels() -> str:
-    return torch._C._dispatch_dump("fasthooks::accumulate_moments")
+    return torch._C._dispatch_dump("fasthooks::accumulate_stats")
 
 
 @FUSED
@@ -54,7 +54,7 @@ def test_cpu_kernel_and_fake_kernel_are_registered():
     assert "CPU:" in table
     assert (
         torch._library.simple_registry.singleton.find(
-            "fasthooks::accumulate_moments"
+            "fasthooks::accumulate_stats"
         ).fake_impl.kernel
         is not None
     )

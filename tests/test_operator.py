@@ -1,4 +1,4 @@
-"""The accumulate_moments operator: numerics, layouts, special values and operator hygiene."""
+"""The accumulate_stats operator: numerics, layouts, special values and operator hygiene."""
 
 import math
 import subprocess
@@ -9,20 +9,25 @@ import torch
 from conftest import DEVICES, FUSED, reference_moments, subprocess_env
 
 from fasthooks import ops
-from fasthooks.moments import accumulate_moments_python, new_state, state_to_stats
+from fasthooks.buffers import StatBuffers
+from fasthooks.moments import accumulate_stats_python
 
 pytestmark = FUSED
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-ACCUMULATORS = {"fused": ops.accumulate_moments, "python": accumulate_moments_python}
+ACCUMULATORS = {"fused": ops.accumulate_stats, "python": accumulate_stats_python}
 
 
-def _moments(x: torch.Tensor, backend: str = "fused", calls: int = 1):
+def _buffers(device="cpu", full=False, bins=0, modules=2, capacity=3) -> StatBuffers:
+    return StatBuffers(modules, capacity, device, full=full, hist_bins=bins)
+
+
+def _moments(x: torch.Tensor, backend: str = "fused", calls: int = 1, full: bool = False):
     """(count, mean, unbiased std) in float64 after `calls` accumulations of x into one slot."""
-    state = new_state(2, 3, x.device)
-    cursor = torch.tensor(1, device=x.device)
+    b = _buffers(x.device, full)
+    b.cursor.fill_(1)
     for _ in range(calls):
-        ACCUMULATORS[backend](x, state, cursor, 1)
-    count, mean, m2 = state[:, 1, 1].tolist()
+        ACCUMULATORS[backend](x, *b.op_args(), 1, 0.05, 0.0, 10.0)
+    count, mean, m2 = b.state[:3, 1, 1].tolist()
     return count, mean, math.sqrt(m2 / (count - 1)) if count > 1 else math.nan
 
 
@@ -31,24 +36,34 @@ def _assert_within_bounds(got_mean, got_std, ref_mean, ref_std, rel_std=1e-5, re
     assert abs(got_mean - ref_mean) <= rel_mean * (abs(ref_mean) + ref_std), (got_mean, ref_mean)
 
 
+def _zero_heads(n, g):
+    """N(1e5, 1) whose first 16 values of every 65,536 are 0: a shift taken there is far off."""
+    x = torch.randn(n, generator=g) + 1e5
+    for start in range(0, n, 1 << 16):
+        x[start : start + 16] = 0
+    return x
+
+
 DISTRIBUTIONS = {
     "N(0,1)": lambda n, g: torch.randn(n, generator=g),
     "N(1e3,1)": lambda n, g: torch.randn(n, generator=g) + 1e3,
     "N(0,1e-3)": lambda n, g: torch.randn(n, generator=g) * 1e-3,
     "relu": lambda n, g: torch.randn(n, generator=g).relu(),
+    "N(1e5,1) zero heads": _zero_heads,
 }
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["mean_std", "every_stat"])
 @pytest.mark.parametrize("backend", ["fused", "python"])
 @pytest.mark.parametrize("dist", DISTRIBUTIONS)
 @pytest.mark.parametrize(
     "n", [1_000, 123_457, 5_000_000, pytest.param(50_000_000, marks=pytest.mark.slow)]
 )
-def test_float32_numerics_against_float64_two_pass(backend, dist, n):
+def test_float32_numerics_against_float64_two_pass(backend, dist, n, full):
     x = DISTRIBUTIONS[dist](n, torch.Generator().manual_seed(n))
-    count, mean, std = _moments(x, backend)
+    count, mean, std = _moments(x, backend, full=full)
     assert count == n
-    _assert_within_bounds(mean, std, *reference_moments(x))
+    _assert_within_bounds(mean, std, *reference_moments(x), rel_std=1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -88,9 +103,9 @@ def test_layouts_give_the_same_moments(layout, dtype, device):
 
 def _copies_made(x: torch.Tensor) -> list[str]:
     """Names of the copying aten ops that one accumulate call on x dispatches."""
-    state, cursor = new_state(1, 1), torch.tensor(0)
+    b = _buffers(full=True, bins=40)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        ops.accumulate_moments(x, state, cursor, 0)
+        ops.accumulate_stats(x, *b.op_args(), 0)
     return [
         e.name
         for e in prof.events()
@@ -117,11 +132,10 @@ def test_merging_calls_equals_concatenation(backend, device):
         torch.empty(0),
         torch.randn(333_333, generator=g) - 40,
     ]
-    state = new_state(1, 1, device)
-    cursor = torch.tensor(0, device=device)
+    b = _buffers(device, modules=1, capacity=1)
     for p in parts:
-        ACCUMULATORS[backend](p.to(device), state, cursor, 0)
-    count, mean, m2 = state[:, 0, 0].tolist()
+        ACCUMULATORS[backend](p.to(device), *b.op_args(), 0, 0.05, 0.0, 10.0)
+    count, mean, m2 = b.state[:, 0, 0].tolist()
     assert count == sum(p.numel() for p in parts)
     _assert_within_bounds(mean, math.sqrt(m2 / (count - 1)), *reference_moments(*parts))
 
@@ -130,16 +144,17 @@ def test_merging_calls_equals_concatenation(backend, device):
 @pytest.mark.parametrize("backend", ["fused", "python"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_and_single_element(backend, dtype, device):
-    state = new_state(1, 2, device)
-    ACCUMULATORS[backend](
-        torch.empty(0, 3, dtype=dtype, device=device), state, torch.tensor(0, device=device), 0
-    )
-    ACCUMULATORS[backend](
-        torch.tensor([2.5], dtype=dtype, device=device), state, torch.tensor(1, device=device), 0
-    )
-    stats = state_to_stats(state.cpu())
-    assert torch.isnan(stats[:, 0, 0]).all()
+    b = _buffers(device, full=True, bins=4, modules=1, capacity=2)
+    ACCUMULATORS[backend](torch.empty(0, 3, dtype=dtype, device=device), *b.op_args(), 0, 0.05, 0, 4)
+    b.cursor.fill_(1)
+    ACCUMULATORS[backend](torch.tensor([2.5], dtype=dtype, device=device), *b.op_args(), 0, 0.05, 0, 4)
+    stats, extra, hist = b.stats.cpu(), b.extra.cpu(), b.hist.cpu()
+    assert torch.isnan(stats[:, 0, 0]).all() and torch.isnan(extra[:, 0, 0]).all()
+    assert hist[0, 0].tolist() == [0, 0, 0, 0] and b.state[:, 0, 0].eq(0).all()
     assert stats[0, 0, 1].item() == 2.5 and math.isnan(stats[1, 0, 1].item())
+    min_, max_, near_zero, kurtosis = extra[:, 0, 1].tolist()
+    assert (min_, max_, near_zero) == (2.5, 2.5, 0.0) and math.isnan(kurtosis)
+    assert hist[0, 1].tolist() == [0, 0, 1, 0]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -153,13 +168,14 @@ def test_empty_and_single_element(backend, dtype, device):
         ([math.inf, -math.inf], math.nan, math.nan),
     ],
 )
-def test_nan_and_inf_propagate(backend, special, expected_mean, expected_std, device):
+@pytest.mark.parametrize("full", [False, True], ids=["mean_std", "every_stat"])
+def test_nan_and_inf_propagate(backend, special, expected_mean, expected_std, device, full):
     for where in (0, 70_000, 199_998):  # first chunk, a later chunk, the very end
         x = torch.randn(200_000)
         x[where : where + len(special)] = torch.tensor(special)
         # torch.mean and torch.std, not std_mean, whose Welford mean turns inf into NaN.
         torch_mean, torch_std = x.double().mean(), x.double().std()
-        _, mean, std = _moments(x.to(device), backend)
+        _, mean, std = _moments(x.to(device), backend, full=full)
         for got, want, from_torch in (
             (mean, expected_mean, torch_mean),
             (std, expected_std, torch_std),
@@ -171,13 +187,14 @@ def test_nan_and_inf_propagate(backend, special, expected_mean, expected_std, de
 def test_portable_kernels_give_the_same_numbers():
     script = (
         "import torch, fasthooks.ops as ops\n"
-        "from fasthooks.moments import new_state\n"
+        "from fasthooks.buffers import StatBuffers\n"
         "print(ops.cpu_capability())\n"
         "g = torch.Generator().manual_seed(0)\n"
         "for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):\n"
-        "    x = (torch.randn(1_000_003, generator=g, dtype=torch.float64) * 2 + 50).to(dtype)\n"
-        "    s = new_state(1, 1); ops.accumulate_moments(x, s, torch.tensor(0), 0)\n"
-        "    print(*s[:, 0, 0].tolist())\n"
+        "    x = (torch.randn(1_000_003, generator=g, dtype=torch.float64) * 2 + 5).to(dtype)\n"
+        "    b = StatBuffers(1, 1, 'cpu', full=True, hist_bins=7)\n"
+        "    ops.accumulate_stats(x, *b.op_args(), 0, 4.5, 1.0, 9.0)\n"
+        "    print(*b.state[:, 0, 0].tolist(), *b.hist[0, 0].tolist())\n"
     )
     env = subprocess_env(FASTHOOKS_CPU_CAPABILITY="default")
     out = subprocess.run(
@@ -187,10 +204,17 @@ def test_portable_kernels_give_the_same_numbers():
     assert lines[0] == "default"
     g = torch.Generator().manual_seed(0)
     for dtype, line in zip(DTYPES, lines[1:], strict=True):
-        x = (torch.randn(1_000_003, generator=g, dtype=torch.float64) * 2 + 50).to(dtype)
-        count, mean, m2 = map(float, line.split())
-        assert count == x.numel()
-        _assert_within_bounds(mean, math.sqrt(m2 / (count - 1)), *reference_moments(x))
+        x = (torch.randn(1_000_003, generator=g, dtype=torch.float64) * 2 + 5).to(dtype)
+        b = StatBuffers(1, 1, "cpu", full=True, hist_bins=7)
+        accumulate_stats_python(x, *b.op_args(), 0, 4.5, 1.0, 9.0)
+        values = [float(v) for v in line.split()]
+        got, want = torch.tensor(values[:9], dtype=torch.float64), b.state[:, 0, 0]
+        # m3 of symmetric data is a near-cancellation: measure its error on the scale n * std^3.
+        m3_scale = want[2] ** 1.5 / want[0] ** 0.5
+        assert abs(got[3] - want[3]) <= 1e-7 * m3_scale
+        got[3] = want[3]
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        assert values[9:] == b.hist[0, 0].tolist()
 
 
 def test_unknown_capability_is_refused():
@@ -206,67 +230,104 @@ def test_unknown_capability_is_refused():
 
 
 def test_argument_errors_name_the_argument():
-    x, state, cursor = torch.randn(10), new_state(2, 4), torch.tensor(0)
+    x = torch.randn(10)
+    basic, full = _buffers(modules=2, capacity=4), _buffers(full=True, bins=3, capacity=4)
+    state, stats, extra, hist, workspace, cursor = basic.op_args()
+
+    def call(*args, lo=0.0, hi=1.0):
+        ops.accumulate_stats(*args, 0.05, lo, hi)
+
     with pytest.raises(
         RuntimeError, match="x must be float32, float64, float16 or bfloat16, got Long"
     ):
-        ops.accumulate_moments(torch.arange(4), state, cursor, 0)
-    with pytest.raises(
-        RuntimeError, match=r"state must be a contiguous float64 tensor .* got Float"
-    ):
-        ops.accumulate_moments(x, state.float(), cursor, 0)
+        call(torch.arange(4), *basic.op_args(), 0)
+    with pytest.raises(RuntimeError, match=r"state must be a contiguous float64 tensor .* got Float"):
+        call(x, state.float(), stats, extra, hist, workspace, cursor, 0)
     with pytest.raises(
         RuntimeError,
-        match=r"state must be .* of shape \(3, modules, batches\), got Double of shape \[2, 2, 4\]",
+        match=r"state must be .* of shape \(3 or 9, modules, batches\), got Double of shape "
+        r"\[2, 2, 4\]",
     ):
-        ops.accumulate_moments(x, state[:2], cursor, 0)
+        call(x, state[:2], stats, extra, hist, workspace, cursor, 0)
+    with pytest.raises(RuntimeError, match=r"stats must be a contiguous Float tensor of shape"):
+        call(x, state, stats[:, :, :2], extra, hist, workspace, cursor, 0)
+    with pytest.raises(RuntimeError, match=r"extra must be a contiguous Float tensor of shape \[4"):
+        call(x, full.state, full.stats, extra, full.hist, workspace, cursor, 0)
+    with pytest.raises(RuntimeError, match=r"extra must be empty with a 3-plane state"):
+        call(x, state, stats, full.extra, hist, workspace, cursor, 0)
+    with pytest.raises(RuntimeError, match=r"hist must be a contiguous Long tensor of shape"):
+        call(x, *full.op_args()[:3], full.hist.int(), workspace, cursor, 0)
+    with pytest.raises(RuntimeError, match="hist_min and hist_max must be finite"):
+        call(x, *full.op_args(), 0, lo=1.0, hi=1.0)
+    with pytest.raises(RuntimeError, match=r"3 bins over \[1e\+06, 1e\+06\] are narrower"):
+        call(x, *full.op_args(), 0, lo=1e6, hi=1e6 + 1e-3)
     with pytest.raises(RuntimeError, match="cursor must be a one-element int64 tensor, got Int"):
-        ops.accumulate_moments(x, state, cursor.int(), 0)
+        call(x, state, stats, extra, hist, workspace, cursor.int(), 0)
+    with pytest.raises(RuntimeError, match="stats must be on the state's device cpu, got meta"):
+        call(x, state, stats.to("meta"), extra, hist, workspace, cursor, 0)
     with pytest.raises(RuntimeError, match=r"slot must be in \[0, 2\), got 2"):
-        ops.accumulate_moments(x, state, cursor, 2)
+        call(x, *basic.op_args(), 2)
     with pytest.raises(RuntimeError, match=r"cursor must be in \[0, 4\), got 4"):
-        ops.accumulate_moments(x, state, torch.tensor(4), 0)
-    assert (state == 0).all()
+        call(x, state, stats, extra, hist, workspace, torch.tensor(4), 0)
+    assert (state == 0).all() and (full.state == 0).all() and (full.hist == 0).all()
+
+
+def _opcheck_cases():
+    for layout in _layouts("cpu"):
+        for dtype in DTYPES:
+            for full, bins in ((False, 0), (True, 0), (False, 5), (True, 5)):
+                yield layout, dtype, full, bins
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout", _layouts("cpu"))
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_opcheck(layout, dtype, device):
+@pytest.mark.parametrize(("layout", "dtype", "full", "bins"), list(_opcheck_cases()))
+def test_opcheck(layout, dtype, full, bins, device):
     x = _layouts(device)[layout].to(dtype)
-    state = new_state(2, 3, device)
-    accumulate_moments_python(
-        torch.randn(5, device=device), state, torch.tensor(1, device=device), 0
-    )
+    b = _buffers(device, full, bins)
+    b.cursor.fill_(1)
+    accumulate_stats_python(torch.randn(5, device=device), *b.op_args(), 0, 0.05, -1.0, 4.0)
     torch.library.opcheck(
-        torch.ops.fasthooks.accumulate_moments.default,
-        (x, state, torch.tensor(1, device=device), 0),
+        torch.ops.fasthooks.accumulate_stats.default, (x, *b.op_args(), 0, 0.05, -1.0, 4.0)
     )
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_callable_from_torchscript():
     @torch.jit.script
-    def record(x: torch.Tensor, state: torch.Tensor, cursor: torch.Tensor) -> None:
-        torch.ops.fasthooks.accumulate_moments(x, state, cursor, 0)
+    def record(
+        x: torch.Tensor,
+        state: torch.Tensor,
+        stats: torch.Tensor,
+        extra: torch.Tensor,
+        hist: torch.Tensor,
+        workspace: torch.Tensor,
+        cursor: torch.Tensor,
+    ) -> None:
+        torch.ops.fasthooks.accumulate_stats(
+            x, state, stats, extra, hist, workspace, cursor, 0, 0.05, 0.0, 10.0
+        )
 
-    x, state = torch.randn(1000) + 4, new_state(1, 2)
-    record(x, state, torch.tensor(1))
-    count, mean, m2 = state[:, 0, 1].tolist()
+    x, b = torch.randn(1000) + 4, _buffers(modules=1, capacity=2)
+    b.cursor.fill_(1)
+    record(x, *b.op_args())
+    count, mean, m2 = b.state[:, 0, 1].tolist()
     assert count == 1000
     _assert_within_bounds(mean, math.sqrt(m2 / 999), *reference_moments(x))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_matches_the_python_reference(dtype, device):
+@pytest.mark.parametrize(("full", "bins"), [(False, 0), (True, 40)])
+def test_fused_matches_the_python_reference(dtype, device, full, bins):
     g = torch.Generator().manual_seed(11)
     calls = [torch.randn(4, 16, 9, 9, generator=g) * 3 + 1, torch.randn(70_001, generator=g).relu()]
-    states = {}
+    results = {}
     for backend, accumulate in ACCUMULATORS.items():
-        state = new_state(2, 2, device)
+        b = _buffers(device, full, bins, capacity=2)
         for column, x in enumerate(calls):
-            accumulate(x.to(dtype).to(device), state, torch.tensor(column, device=device), 1)
-            accumulate(x.to(dtype).to(device) * 2, state, torch.tensor(column, device=device), 1)
-        states[backend] = state.cpu()
-    torch.testing.assert_close(states["fused"], states["python"], rtol=1e-6, atol=1e-9)
+            b.cursor.fill_(column)
+            for scale in (1, 2):
+                accumulate(x.to(dtype).to(device) * scale, *b.op_args(), 1, 0.5, 0.0, 4.0)
+        results[backend] = [t.cpu() for t in b.op_args()[:4]]
+    for fused, python in zip(results["fused"], results["python"], strict=True):
+        torch.testing.assert_close(fused, python, rtol=1e-6, atol=1e-9, equal_nan=True)
