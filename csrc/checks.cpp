@@ -49,8 +49,8 @@ bool check_accumulate_args(const at::Tensor& x, const at::Tensor& state, const a
                 "accumulate_stats: hist_min and hist_max must be finite with hist_min < hist_max, "
                 "got ",
                 hist_min, " and ", hist_max);
-    TORCH_CHECK(bins_resolvable(hist.size(2), hist_min, hist_max), "accumulate_stats: ",
-                hist.size(2), " bins over [", hist_min, ", ", hist_max,
+    TORCH_CHECK(bins_resolvable(hist.size(2), hist_min, hist_max),
+                "accumulate_stats: ", hist.size(2), " bins over [", hist_min, ", ", hist_max,
                 "] are narrower than 2^-16 of the range's magnitude");
   }
   TORCH_CHECK(cursor.scalar_type() == at::kLong && cursor.numel() == 1,

@@ -75,10 +75,10 @@ C10_HOST_DEVICE inline Stats merge(const Stats& a, const Stats& b) {
   s.m2 = a.m2 + b.m2 + delta * delta * ab;
   if (Full) {
     const double d_n = delta / n;
-    s.m3 = a.m3 + b.m3 + delta * delta * d_n * ab * (na - nb) +
-           3.0 * d_n * (na * b.m2 - nb * a.m2);
+    s.m3 = a.m3 + b.m3 + delta * delta * d_n * ab * (na - nb) + 3.0 * d_n * (na * b.m2 - nb * a.m2);
     s.m4 = a.m4 + b.m4 + delta * delta * d_n * d_n * ab * (na * na - na * nb + nb * nb) +
-           6.0 * d_n * d_n * (na * na * b.m2 + nb * nb * a.m2) + 4.0 * d_n * (na * b.m3 - nb * a.m3);
+           6.0 * d_n * d_n * (na * na * b.m2 + nb * nb * a.m2) +
+           4.0 * d_n * (na * b.m3 - nb * a.m3);
     s.min = nan_min(a.min, b.min);
     s.max = nan_max(a.max, b.max);
     s.near_zero = a.near_zero + b.near_zero;

@@ -107,7 +107,9 @@ class HostCopy:
             shape[self.axis] = max(columns, 2 * (0 if self.host is None else self.done))
             host = torch.empty(shape, dtype=self.dtype)
             if self.host is not None:
-                host.narrow(self.axis, 0, self.done).copy_(self.host.narrow(self.axis, 0, self.done))
+                host.narrow(self.axis, 0, self.done).copy_(
+                    self.host.narrow(self.axis, 0, self.done)
+                )
             self.host = host
         if self.done < columns:
             fresh = source.narrow(self.axis, self.done, columns - self.done)

@@ -97,9 +97,13 @@ def merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape[0] == len(STATE_PLANES):
         d_n = delta / n
         planes += [
-            a[M3] + b[M3] + delta * delta * d_n * ab * (na - nb)
+            a[M3]
+            + b[M3]
+            + delta * delta * d_n * ab * (na - nb)
             + 3.0 * d_n * (na * b[M2] - nb * a[M2]),
-            a[M4] + b[M4] + delta * delta * d_n * d_n * ab * (na * na - na * nb + nb * nb)
+            a[M4]
+            + b[M4]
+            + delta * delta * d_n * d_n * ab * (na * na - na * nb + nb * nb)
             + 6.0 * d_n * d_n * (na * na * b[M2] + nb * nb * a[M2])
             + 4.0 * d_n * (na * b[M3] - nb * a[M3]),
             torch.minimum(a[MIN], b[MIN]),

@@ -49,6 +49,12 @@ def _check_hist(hist_bins: Any, hist_range: Any) -> tuple[int, float, float]:
         raise ValueError(f"hist_range must be two numbers (lo, hi), got {hist_range!r}") from None
     if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
         raise ValueError(f"hist_range must be finite with lo < hi, got {hist_range!r}")
+    # float32 values must resolve the bins: each spans at least 2^-16 of the range's magnitude.
+    if hist_bins and (hi - lo) / hist_bins < math.ldexp(max(abs(lo), abs(hi)), -16):
+        raise ValueError(
+            f"hist_range: {hist_bins} bins over {hist_range!r} are narrower than 2^-16 of the "
+            "range's magnitude, finer than float32 activations resolve"
+        )
     return int(hist_bins), lo, hi
 
 

@@ -23,9 +23,16 @@ def _run(model, act, batches, step):
     return act.stats
 
 
+OPTIONS = {
+    "mean_std": {},
+    "every_stat": {"extra": ("min", "max", "near_zero", "nonfinite", "kurtosis"), "hist_bins": 8},
+}
+
+
+@pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_model_records_same_stats_without_recompiling(backend, compiler):
+def test_compiled_model_records_same_stats_without_recompiling(backend, compiler, options):
     torch._dynamo.reset()
     graphs = []
 
@@ -34,17 +41,25 @@ def test_compiled_model_records_same_stats_without_recompiling(backend, compiler
         return torch._dynamo.lookup_backend(compiler)(gm, example_inputs)
 
     batches = [torch.randn(4, 3, 8, 8) * (i + 1) for i in range(6)]
+    kwargs = {"backend": backend, **OPTIONS[options]}
     eager_model = _net()
-    eager = _run(eager_model, ActivationStats(eager_model, backend=backend), batches, eager_model)
+    eager_act = ActivationStats(eager_model, **kwargs)
+    eager = _run(eager_model, eager_act, batches, eager_model)
 
     model = _net()
     compiled = torch.compile(model, backend=counting, fullgraph=True)
-    act = ActivationStats(model, backend=backend)
+    act = ActivationStats(model, **kwargs)
     stats = _run(model, act, batches, lambda x: compiled(x).sum().backward())
 
     assert len(graphs) == 1, f"compiled {len(graphs)} graphs for 6 batches"
     torch.testing.assert_close(stats, eager, rtol=1e-5, atol=1e-6)
     assert not torch.isnan(stats).any()
+    for name, values in act.extra.items():
+        torch.testing.assert_close(values, eager_act.extra[name], rtol=1e-4, atol=1e-6)
+    if act.hist_bins:
+        # Values exactly on an edge may move one bin between compiled and eager arithmetic.
+        assert (act.hist - eager_act.hist).abs().sum() <= 2 * act.hist.shape[1]
+        assert act.hist.sum() > 0
 
 
 @FUSED

@@ -8,6 +8,8 @@ from torch import nn
 from fasthooks import ActivationStats, hook_outputs
 
 pytestmark = [pytest.mark.cuda, CUDA]
+EVERY_STAT = {"extra": ("min", "max", "near_zero", "nonfinite", "kurtosis"), "hist_bins": 40}
+OPTIONS = {"mean_std": {}, "every_stat": EVERY_STAT}
 
 
 def _net() -> nn.Sequential:
@@ -22,13 +24,14 @@ def _net() -> nn.Sequential:
     ).cuda()
 
 
+@pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_training_step_never_synchronises(backend, dtype):
+def test_training_step_never_synchronises(backend, dtype, options):
     model = _net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(32, 3, 32, 32, device="cuda")
-    act = ActivationStats(model, backend=backend, expected_batches=4)
+    act = ActivationStats(model, backend=backend, expected_batches=4, **OPTIONS[options])
     act.on_train_begin()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -44,13 +47,15 @@ def test_training_step_never_synchronises(backend, dtype):
         torch.cuda.set_sync_debug_mode("default")
     act.on_train_end()
     assert act.stats.shape == (2, 4, 6) and not torch.isnan(act.stats).any()
+    for values in act.extra.values():
+        assert values.shape == (4, 6) and not values.double().isnan().any()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cuda_graph_replays_fill_successive_columns(backend):
     model = _net()
     static_x = torch.randn(16, 3, 32, 32, device="cuda")
-    act = ActivationStats(model, backend=backend, expected_batches=16)
+    act = ActivationStats(model, backend=backend, expected_batches=16, **EVERY_STAT)
     act.on_train_begin()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -74,6 +79,13 @@ def test_cuda_graph_replays_fill_successive_columns(backend):
             seen.append([o.clone() for o in outputs.stored])
     act.on_train_end()
     torch.testing.assert_close(act.stats.double(), reference_stats(seen), rtol=2e-5, atol=1e-6)
+    for m in range(len(act.modules)):
+        for b, outputs in enumerate(seen):
+            o = outputs[m].float()
+            assert act.extra["max"][m, b].item() == o.amax().item()
+            assert act.extra["min"][m, b].item() == o.amin().item()
+            assert act.extra["nonfinite"][m, b].item() == 0
+            assert act.hist[m, b].sum().item() == int(((o >= 0) & (o <= 10)).sum())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

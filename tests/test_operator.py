@@ -145,9 +145,13 @@ def test_merging_calls_equals_concatenation(backend, device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_and_single_element(backend, dtype, device):
     b = _buffers(device, full=True, bins=4, modules=1, capacity=2)
-    ACCUMULATORS[backend](torch.empty(0, 3, dtype=dtype, device=device), *b.op_args(), 0, 0.05, 0, 4)
+    ACCUMULATORS[backend](
+        torch.empty(0, 3, dtype=dtype, device=device), *b.op_args(), 0, 0.05, 0, 4
+    )
     b.cursor.fill_(1)
-    ACCUMULATORS[backend](torch.tensor([2.5], dtype=dtype, device=device), *b.op_args(), 0, 0.05, 0, 4)
+    ACCUMULATORS[backend](
+        torch.tensor([2.5], dtype=dtype, device=device), *b.op_args(), 0, 0.05, 0, 4
+    )
     stats, extra, hist = b.stats.cpu(), b.extra.cpu(), b.hist.cpu()
     assert torch.isnan(stats[:, 0, 0]).all() and torch.isnan(extra[:, 0, 0]).all()
     assert hist[0, 0].tolist() == [0, 0, 0, 0] and b.state[:, 0, 0].eq(0).all()
@@ -241,7 +245,9 @@ def test_argument_errors_name_the_argument():
         RuntimeError, match="x must be float32, float64, float16 or bfloat16, got Long"
     ):
         call(torch.arange(4), *basic.op_args(), 0)
-    with pytest.raises(RuntimeError, match=r"state must be a contiguous float64 tensor .* got Float"):
+    with pytest.raises(
+        RuntimeError, match=r"state must be a contiguous float64 tensor .* got Float"
+    ):
         call(x, state.float(), stats, extra, hist, workspace, cursor, 0)
     with pytest.raises(
         RuntimeError,

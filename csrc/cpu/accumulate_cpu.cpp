@@ -93,9 +93,8 @@ void accumulate_stats_cpu(const at::Tensor& x, const at::Tensor& state, const at
                           const at::Tensor& extra, const at::Tensor& hist,
                           const at::Tensor& workspace, const at::Tensor& cursor, int64_t slot,
                           double near_zero, double hist_min, double hist_max) {
-  const bool full =
-      check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot, hist_min,
-                            hist_max);
+  const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
+                                          hist_min, hist_max);
   const int64_t column = *cursor.const_data_ptr<int64_t>();
   const int64_t batches = state.size(2);
   TORCH_CHECK(column >= 0 && column < batches, "accumulate_stats: cursor must be in [0, ", batches,

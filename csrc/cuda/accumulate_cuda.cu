@@ -299,11 +299,11 @@ void accumulate_stats_cuda(const at::Tensor& x, const at::Tensor& state, const a
   const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
                                           hist_min, hist_max);
   const int64_t max_blocks = (workspace.numel() - 1) / kPartials;
-  TORCH_CHECK(workspace.scalar_type() == at::kDouble && workspace.is_contiguous() &&
-                  max_blocks >= 1,
-              "accumulate_stats: workspace must be a zeroed contiguous float64 tensor of at least ",
-              kPartials + 1, " elements on CUDA, got ", workspace.scalar_type(), " of shape ",
-              workspace.sizes());
+  TORCH_CHECK(
+      workspace.scalar_type() == at::kDouble && workspace.is_contiguous() && max_blocks >= 1,
+      "accumulate_stats: workspace must be a zeroed contiguous float64 tensor of at least ",
+      kPartials + 1, " elements on CUDA, got ", workspace.scalar_type(), " of shape ",
+      workspace.sizes());
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
   TORCH_CHECK(bins <= kMaxBins, "accumulate_stats: at most ", kMaxBins, " bins on CUDA, got ",
               bins);

@@ -1,0 +1,273 @@
+"""Statistics beyond mean and std: extremes, near-zero fraction, non-finite counts, kurtosis and
+histograms, from the operator up to ActivationStats."""
+
+import math
+
+import pytest
+import torch
+from conftest import BACKENDS, DEVICES, FUSED
+from torch import nn
+
+from fasthooks import ActivationStats, hook_outputs
+from fasthooks.buffers import HostCopy, StatBuffers
+from fasthooks.layout import EXTRA_PLANES, EXTRAS, STATE_PLANES
+from fasthooks.moments import accumulate_stats_python
+from fasthooks.ops import accumulate_stats, kernel_layout
+
+ACCUMULATORS = {
+    "python": accumulate_stats_python,
+    "fused": pytest.param(accumulate_stats, marks=FUSED),
+}
+ALL = list(EXTRAS)
+
+
+def _reference_histogram(x: torch.Tensor, bins: int, lo: float, hi: float) -> list[int]:
+    """Counts by comparing every value with the float64 edges: e_k <= v < e_k+1, top edge in."""
+    v = x.detach().double().cpu().reshape(-1)
+    k = torch.arange(bins + 1, dtype=torch.float64)
+    edges = lo + (hi - lo) * k / bins
+    edges[-1] = hi
+    counts = [int(((v >= edges[i]) & (v < edges[i + 1])).sum()) for i in range(bins)]
+    counts[-1] += int((v == hi).sum())
+    return counts
+
+
+def _reference_extras(tensors: list[torch.Tensor], near_zero: float) -> dict[str, float]:
+    v = torch.cat([t.detach().float().cpu().reshape(-1) for t in tensors])
+    d = v.double() - v.double().mean()
+    return {
+        "min": v.amin().item(),
+        "max": v.amax().item(),
+        "near_zero": (v <= near_zero).sum().item() / v.numel(),
+        "nonfinite": int((~v.isfinite()).sum()),
+        "kurtosis": ((d**4).mean() / (d**2).mean() ** 2).item(),
+    }
+
+
+@FUSED
+def test_kernels_share_the_layout():
+    assert kernel_layout() == (STATE_PLANES, EXTRA_PLANES)
+
+
+KURTOSIS_CASES = {
+    "N(0,1)": lambda g: torch.randn(1_000_000, generator=g),
+    "N(1e3,1)": lambda g: torch.randn(1_000_000, generator=g) + 1e3,
+    "uniform": lambda g: torch.rand(1_000_000, generator=g),
+    "relu": lambda g: torch.randn(1_000_000, generator=g).relu(),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
+@pytest.mark.parametrize("case", KURTOSIS_CASES)
+def test_kurtosis_against_float64(accumulate, case, device):
+    x = KURTOSIS_CASES[case](torch.Generator().manual_seed(5))
+    b = StatBuffers(1, 1, device, full=True, hist_bins=0)
+    accumulate(x.to(device), *b.op_args(), 0, 0.05, 0.0, 1.0)
+    want = _reference_extras([x], 0.05)["kurtosis"]
+    got = b.extra[EXTRA_PLANES.index("kurtosis"), 0, 0].item()
+    assert abs(got - want) <= 1e-4 * want, (got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_extremes_counts_and_histograms_are_exact(accumulate, dtype, device):
+    g = torch.Generator().manual_seed(7)
+    bins, lo, hi = 7, -1.3, 2.9
+    x = torch.randn(300_001, generator=g, dtype=torch.float64) * 2
+    edges = lo + (hi - lo) * torch.arange(bins + 1, dtype=torch.float64) / bins
+    x[:3000] = edges[torch.randint(0, bins + 1, (3000,), generator=g)]  # values on the edges
+    x[3000:3005] = math.inf
+    x[3005:3007] = -math.inf
+    x[200_000:200_003] = 0.05
+    x = x.to(dtype)
+    b = StatBuffers(1, 1, device, full=True, hist_bins=bins)
+    accumulate(x.to(device), *b.op_args(), 0, 0.05, lo, hi)
+    want = _reference_extras([x], 0.05)
+    extra = dict(zip(EXTRA_PLANES, b.extra[:, 0, 0].tolist(), strict=True))
+    assert extra["min"] == -math.inf and extra["max"] == math.inf
+    assert extra["near_zero"] == pytest.approx(want["near_zero"], rel=1e-7)
+    assert b.nonfinite()[0, 0].item() == 7
+    assert b.hist[0, 0].tolist() == _reference_histogram(x, bins, lo, hi)
+    finite = x[3007:]
+    b = StatBuffers(1, 1, device, full=True, hist_bins=bins)
+    accumulate(finite.to(device), *b.op_args(), 0, 0.05, lo, hi)
+    assert b.extra[0, 0, 0].item() == finite.float().amin().item()
+    assert b.extra[1, 0, 0].item() == finite.float().amax().item()
+
+
+@pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
+def test_histogram_matches_torch_histc_off_the_edges(accumulate):
+    x = torch.randn(500_000, generator=torch.Generator().manual_seed(2)) * 4
+    b = StatBuffers(1, 1, "cpu", full=False, hist_bins=40)
+    accumulate(x, *b.op_args(), 0, 0.05, -5.0, 5.0)
+    assert torch.equal(b.hist[0, 0], torch.histc(x.double(), 40, -5.0, 5.0).long())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
+def test_nan_makes_min_and_max_nan_and_is_counted(accumulate, device):
+    for where in (0, 70_000, 99_999):
+        x = torch.randn(100_000)
+        x[where] = math.nan
+        b = StatBuffers(1, 1, device, full=True, hist_bins=4)
+        accumulate(x.to(device), *b.op_args(), 0, 0.05, -1.0, 1.0)
+        assert math.isnan(b.extra[0, 0, 0].item()) and math.isnan(b.extra[1, 0, 0].item())
+        assert b.nonfinite()[0, 0].item() == 1
+        assert b.hist[0, 0].sum().item() == int(((x >= -1) & (x <= 1)).sum())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
+def test_calls_merge_exactly(accumulate, device):
+    g = torch.Generator().manual_seed(4)
+    parts = [
+        torch.randn(1000, generator=g) * 5 + 1,
+        torch.randn(70_000, generator=g).relu(),
+        torch.tensor([math.inf]),
+        torch.randn(1, generator=g),
+        torch.rand(123_457, generator=g) * 8 - 2,
+    ]
+    b = StatBuffers(2, 2, device, full=True, hist_bins=10)
+    b.cursor.fill_(1)
+    for p in parts:
+        accumulate(p.to(device), *b.op_args(), 1, 0.05, -3.0, 6.0)
+    finite = [p for p in parts if p.isfinite().all()]
+    merged = StatBuffers(2, 2, device, full=True, hist_bins=10)
+    merged.cursor.fill_(1)
+    accumulate(torch.cat(finite).to(device), *merged.op_args(), 1, 0.05, -3.0, 6.0)
+    want = _reference_extras(parts, 0.05)
+    extra = dict(zip(EXTRA_PLANES, b.extra[:, 1, 1].tolist(), strict=True))
+    assert extra["max"] == math.inf and extra["min"] == want["min"]
+    assert extra["near_zero"] == pytest.approx(want["near_zero"], rel=1e-7)
+    assert b.nonfinite()[1, 1].item() == 1
+    assert b.hist[1, 1].tolist() == _reference_histogram(torch.cat(parts), 10, -3.0, 6.0)
+    # The finite calls alone merge to the statistics of their concatenation.
+    finite_only = StatBuffers(2, 2, device, full=True, hist_bins=10)
+    finite_only.cursor.fill_(1)
+    for p in finite:
+        accumulate(p.to(device), *finite_only.op_args(), 1, 0.05, -3.0, 6.0)
+    torch.testing.assert_close(finite_only.extra, merged.extra, rtol=2e-6, atol=0, equal_nan=True)
+    torch.testing.assert_close(finite_only.stats, merged.stats, rtol=2e-6, atol=0, equal_nan=True)
+    assert torch.equal(finite_only.hist, merged.hist)
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10)
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_activation_stats_records_every_statistic(backend, device):
+    model = _net().to(device)
+    act = ActivationStats(
+        model,
+        backend=backend,
+        extra=ALL,
+        near_zero=0.1,
+        hist_bins=16,
+        hist_range=(-2, 2),
+        expected_batches=2,
+    )
+    seen = []
+    with act, hook_outputs(act.modules) as outputs:
+        for b in range(5):  # past expected_batches: growth keeps every statistic
+            model(torch.randn(8, 3, 8, 8, device=device) * (b + 1)).sum().backward()
+            seen.append(list(outputs.stored))
+            act.on_batch_end(train=True)
+        model(torch.randn(8, 3, 8, 8, device=device) * 100)
+        act.on_batch_end(train=False)  # a validation batch leaves no trace
+        model.eval()
+        model(torch.randn(8, 3, 8, 8, device=device) * 100)
+    assert set(act.extra) == set(ALL)
+    for name, values in act.extra.items():
+        assert values.shape == (2, 5) and values.device.type == "cpu"
+        assert values.dtype == (torch.int64 if name == "nonfinite" else torch.float32)
+    assert act.hist.shape == (2, 5, 16) and act.hist.dtype == torch.int64
+    for m in range(2):
+        for b in range(5):
+            want = _reference_extras([seen[b][m]], 0.1)
+            for name in ("min", "max", "nonfinite"):
+                assert act.extra[name][m, b].item() == want[name]
+            assert act.extra["near_zero"][m, b].item() == pytest.approx(want["near_zero"])
+            assert act.extra["kurtosis"][m, b].item() == pytest.approx(want["kurtosis"], rel=1e-4)
+            assert act.hist[m, b].tolist() == _reference_histogram(seen[b][m], 16, -2, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_module_that_did_not_run_reads_nan_and_counts_zero(backend):
+    skipped = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Linear(4, 4))
+    with ActivationStats(
+        model, modules=[model[0], skipped], backend=backend, extra=ALL, hist_bins=3
+    ) as act:
+        model(torch.randn(2, 4))
+        act.on_batch_end()
+    for name in ("min", "max", "near_zero", "kurtosis"):
+        assert math.isnan(act.extra[name][1, 0].item())
+    assert act.extra["nonfinite"][1, 0].item() == 0 and act.hist[1, 0].tolist() == [0, 0, 0]
+
+
+def test_only_requested_extras_are_returned_and_hist_needs_bins():
+    act = ActivationStats(_net(), backend="python", extra="max")
+    assert list(act.extra) == ["max"] and act.extra["max"].shape == (0, 0)  # modules not yet known
+    with pytest.raises(AttributeError, match="hist is recorded only with hist_bins > 0"):
+        act.hist  # noqa: B018
+    assert ActivationStats(_net(), backend="python").extra == {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"extra": ["max", "l2"]}, ValueError, r"extra: unknown statistic 'l2'; valid ones are \("),
+        ({"hist_bins": -1}, ValueError, r"hist_bins must be in \[0, 2048\], got -1"),
+        ({"hist_bins": 4096}, ValueError, r"hist_bins must be in \[0, 2048\], got 4096"),
+        ({"hist_bins": 2.5}, TypeError, "hist_bins must be an int, got float"),
+        ({"hist_bins": True}, TypeError, "hist_bins must be an int, got bool"),
+        (
+            {"hist_range": (1, 1)},
+            ValueError,
+            r"hist_range must be finite with lo < hi, got \(1, 1\)",
+        ),
+        ({"hist_range": (0, math.inf)}, ValueError, "hist_range must be finite with lo < hi"),
+        ({"hist_range": 3}, ValueError, "hist_range must be two numbers"),
+        (
+            {"hist_bins": 10, "hist_range": (1e6, 1e6 + 1e-3)},
+            ValueError,
+            "hist_range: 10 bins over",
+        ),
+        ({"near_zero": "small"}, TypeError, "near_zero must be a number, got str"),
+        ({"near_zero": math.nan}, ValueError, "near_zero must not be NaN"),
+    ],
+)
+def test_bad_options_name_the_argument(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        ActivationStats(_net(), backend="python", **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reading_stats_on_the_cpu_is_a_view(backend):
+    model = _net()
+    with ActivationStats(model, backend=backend, extra=["max"], hist_bins=4) as act:
+        for _ in range(3):
+            model(torch.randn(2, 3, 8, 8))
+            act.on_batch_end()
+        stats, extra, hist = act.stats, act.extra["max"], act.hist
+    buffers = act._buffers
+    assert stats.untyped_storage().data_ptr() == buffers.stats.untyped_storage().data_ptr()
+    assert extra.untyped_storage().data_ptr() == buffers.extra.untyped_storage().data_ptr()
+    assert hist.untyped_storage().data_ptr() == buffers.hist.untyped_storage().data_ptr()
+    assert stats.shape == (2, 2, 3)
+
+
+def test_host_copy_copies_each_column_once():
+    source = torch.arange(12.0).reshape(2, 6)
+    copy = HostCopy(axis=1, dtype=torch.float32)
+    assert copy.read(source, 2).tolist() == [[0, 1], [6, 7]]
+    source[:, :2] = -1  # already copied: not read again
+    assert copy.read(source, 5).tolist() == [[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]]
+    assert copy.read(source, 6)[:, 5].tolist() == [5, 11]
