@@ -17,8 +17,8 @@ class StatBuffers:
 
     Example:
         >>> b = StatBuffers(3, 8, "cpu", full=True, hist_bins=40)
-        >>> b.state.shape, b.stats.shape, b.extra.shape, b.hist.shape
-        (torch.Size([9, 3, 8]), torch.Size([2, 3, 8]), torch.Size([4, 3, 8]), torch.Size([3, 8, 40]))
+        >>> [tuple(t.shape) for t in (b.state, b.stats, b.extra, b.hist)]
+        [(9, 3, 8), (2, 3, 8), (4, 3, 8), (3, 8, 40)]
     """
 
     def __init__(
