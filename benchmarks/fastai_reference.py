@@ -22,3 +22,11 @@ def fastai_v2_hook(m: torch.nn.Module, i: object, o: torch.Tensor) -> dict[str, 
         "std": o.std().item(),
         "near_zero": (o <= 0.05).long().sum().item() / o.numel(),
     }
+
+
+def fastai_v2_hook_with_hist(m: torch.nn.Module, i: object, o: torch.Tensor) -> dict[str, object]:
+    """fastai v2 ActivationStats.hook with `with_hist=True` (reproduction): the same statistics
+    plus a 40-bin histogram over [0, 10] of every activation."""
+    result: dict[str, object] = dict(fastai_v2_hook(m, i, o))
+    result["hist"] = o.detach().cpu().float().histc(40, 0, 10)
+    return result

@@ -1,8 +1,10 @@
-"""Throughput of the fused statistics operator against torch.sum and against fastai v1's hook.
+"""Throughput of the fused statistics operator against torch.sum and against fastai's hooks.
 
 Three measurements, each side by side in one run:
-  1. fused vs torch.sum (the one-read-pass bound) on float32 tensors from 1 MB to 200 MB;
-  2. fused vs the python backend vs fastai v1's hook (reproduced) on conv-sized activations;
+  1. fused (mean and std; every extra; every extra and a 40-bin histogram) vs torch.sum (the
+     one-read-pass bound) on float32 tensors from 1 MB to 200 MB;
+  2. fused vs the python backend vs fastai v1's and v2's hooks (reproduced) on conv-sized
+     activations;
   3. the whole cost of one hooked call (hook dispatch + op) on a 64x512 output.
 Writes results.md, results.json and throughput.png to --out.
     python benchmarks/op_throughput.py --out results/op_throughput [--device cuda]
@@ -15,17 +17,20 @@ import json
 from pathlib import Path
 
 import torch
-from fastai_reference import fastai_v1_hook
+from fastai_reference import fastai_v1_hook, fastai_v2_hook_with_hist
 from timing import geometric_mean, interleaved, machine_line, markdown_table
 from torch import nn
 from tqdm import tqdm
 
 from fasthooks import ActivationStats
-from fasthooks.moments import accumulate_moments_python, new_state
-from fasthooks.ops import accumulate_moments
+from fasthooks.buffers import StatBuffers
+from fasthooks.moments import accumulate_stats_python
+from fasthooks.ops import accumulate_stats
 
 SIZES_MB = [1, 2, 4, 8, 16, 32, 64, 128, 200]
 ACTIVATIONS = [(64, 64, 28, 28), (64, 64, 56, 56)]
+# The three fused variants: (every extra, histogram bins).
+MODES = {"mean+std": (False, 0), "every extra": (True, 0), "every extra + hist": (True, 40)}
 
 
 def _synchronised(fn, device: str):
@@ -43,55 +48,64 @@ def _calls_for(nbytes: int) -> int:
     return max(1, int(64e6 // nbytes))
 
 
+def _recorder(accumulate, mode: str, device: str):
+    """A call that merges x into one slot of fresh buffers for `mode`, with fastai's options."""
+    full, bins = MODES[mode]
+    buffers = StatBuffers(1, 1, device, full=full, hist_bins=bins)
+    args = buffers.op_args()
+    return lambda x: accumulate(x, *args, 0, 0.05, 0.0, 10.0)
+
+
 def sum_vs_fused(device: str, dtype: torch.dtype, sizes_mb: list[int], rounds: int) -> list[dict]:
-    state, cursor = new_state(1, 1, device), torch.zeros((), dtype=torch.int64, device=device)
+    fused = {mode: _recorder(accumulate_stats, mode, device) for mode in MODES}
     rows = []
     for mb in tqdm(sizes_mb, desc="torch.sum vs fused", unit="size"):
         x = torch.randn(mb * 2**20 // dtype.itemsize, device=device).to(dtype)
-        timings = interleaved(
-            {
-                "torch.sum": _synchronised(lambda x=x: x.sum(), device),
-                "fused": _synchronised(lambda x=x: accumulate_moments(x, state, cursor, 0), device),
-            },
-            rounds=rounds,
-            calls=_calls_for(x.nbytes),
-        )
+        variants = {"torch.sum": _synchronised(lambda x=x: x.sum(), device)}
+        for mode, record in fused.items():
+            variants[mode] = _synchronised(lambda x=x, record=record: record(x), device)
+        timings = interleaved(variants, rounds=rounds, calls=_calls_for(x.nbytes))
+        sum_s = timings["torch.sum"].median
         rows.append(
             {
                 "size_mb": mb,
-                "sum_gbps": x.nbytes / timings["torch.sum"].median / 1e9,
-                "fused_gbps": x.nbytes / timings["fused"].median / 1e9,
-                "ratio": timings["torch.sum"].median / timings["fused"].median,
+                "sum_gbps": x.nbytes / sum_s / 1e9,
+                **{f"{mode}_gbps": x.nbytes / timings[mode].median / 1e9 for mode in MODES},
+                # time of each fused variant over the time of torch.sum: 1.0 is the bound
+                **{f"{mode}_over_sum": timings[mode].median / sum_s for mode in MODES},
             }
         )
         del x
     return rows
 
 
+FASTAI_VARIANTS = {
+    "fastai v1 hook": lambda x: fastai_v1_hook(None, None, x),
+    "fastai v2 hook + hist": lambda x: fastai_v2_hook_with_hist(None, None, x),
+}
+
+
 def against_fastai(device: str, rounds: int) -> list[dict]:
-    state, cursor = new_state(1, 1, device), torch.zeros((), dtype=torch.int64, device=device)
+    python = _recorder(accumulate_stats_python, "mean+std", device)
+    fused = {mode: _recorder(accumulate_stats, mode, device) for mode in MODES}
     rows = []
-    for shape in tqdm(ACTIVATIONS, desc="fastai v1 vs python vs fused", unit="shape"):
+    for shape in tqdm(ACTIVATIONS, desc="fastai vs python vs fused", unit="shape"):
         x = torch.randn(shape, device=device)
-        timings = interleaved(
-            {
-                "fastai v1 hook": lambda x=x: fastai_v1_hook(None, None, x),
-                "python backend": _synchronised(
-                    lambda x=x: accumulate_moments_python(x, state, cursor, 0), device
-                ),
-                "fused": _synchronised(lambda x=x: accumulate_moments(x, state, cursor, 0), device),
-                "torch.sum": _synchronised(lambda x=x: x.sum(), device),
-            },
-            rounds=rounds,
-            calls=_calls_for(x.nbytes),
-        )
-        fused = timings["fused"].median
+        variants = {name: (lambda x=x, f=f: f(x)) for name, f in FASTAI_VARIANTS.items()}
+        variants["python mean+std"] = _synchronised(lambda x=x: python(x), device)
+        for mode, record in fused.items():
+            variants[f"fused {mode}"] = _synchronised(lambda x=x, r=record: r(x), device)
+        variants["torch.sum"] = _synchronised(lambda x=x: x.sum(), device)
+        timings = interleaved(variants, rounds=rounds, calls=_calls_for(x.nbytes))
+        ms = {name: t.median * 1e3 for name, t in timings.items()}
         rows.append(
             {
                 "shape": "x".join(map(str, shape)),
-                **{f"{name}_ms": t.median * 1e3 for name, t in timings.items()},
-                "fastai_over_fused": timings["fastai v1 hook"].median / fused,
-                "python_over_fused": timings["python backend"].median / fused,
+                **{f"{name}_ms": value for name, value in ms.items()},
+                "v1_over_fused": ms["fastai v1 hook"] / ms["fused mean+std"],
+                "v2_hist_over_fused_hist": ms["fastai v2 hook + hist"]
+                / ms["fused every extra + hist"],
+                "fused_hist_over_sum": ms["fused every extra + hist"] / ms["torch.sum"],
             }
         )
     return rows
@@ -103,13 +117,12 @@ def hooked_call_cost(device: str, rounds: int) -> dict:
     x = torch.randn(64, 512, device=device)
     stats = ActivationStats(hooked, modules=[hooked], backend="fused", expected_batches=2)
     stats.on_train_begin()
+    record = _recorder(accumulate_stats, "mean+std", device)
     timings = interleaved(
         {
             "plain": _synchronised(lambda: plain(x), device),
             "hooked": _synchronised(lambda: hooked(x), device),
-            "op alone": _synchronised(
-                lambda: accumulate_moments(x, stats._state, stats._cursor, 0), device
-            ),
+            "op alone": _synchronised(lambda: record(x), device),
         },
         rounds=5 * rounds,  # short rounds, many of them: the best one is the quiet one
         calls=500,
@@ -134,12 +147,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     sizes = [r["size_mb"] for r in rows]
     ax.plot(sizes, [r["sum_gbps"] for r in rows], "o-", label="torch.sum (one read pass)")
-    ax.plot(sizes, [r["fused_gbps"] for r in rows], "s-", label="fasthooks fused mean+std")
+    for mode, marker in zip(MODES, "s^D", strict=True):
+        ax.plot(sizes, [r[f"{mode}_gbps"] for r in rows], f"{marker}-", label=f"fused {mode}")
     ax.set_xscale("log")
     ax.set_xlabel("tensor size (MB)")
     ax.set_ylabel("throughput (GB/s)")
     ax.set_title(title, fontsize="small")
-    ax.legend()
+    ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -148,49 +162,54 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def report(results: dict) -> str:
     sums = results["sum_vs_fused"]
+    geo = results["geomean_over_sum"]
     parts = [
         f"Machine: {results['machine']}",
         "",
-        f"fused vs torch.sum, {results['dtype']} on {results['device']} "
-        f"(geometric mean ratio {results['geomean_ratio']:.2f}, "
-        f"lowest {results['min_ratio']:.2f}):",
+        f"Time of each fused variant over the time of `torch.sum` on the same tensor "
+        f"({results['dtype']} on {results['device']}; 1.00 is the one-read-pass bound, lower "
+        f"is faster). Geometric means: mean+std {geo['mean+std']:.2f}, every extra "
+        f"{geo['every extra']:.2f}, every extra + 40-bin hist {geo['every extra + hist']:.2f}.",
         "",
         markdown_table(
-            ["size (MB)", "torch.sum GB/s", "fused GB/s", "fused / sum"],
+            ["size (MB)", "torch.sum GB/s", *(f"{mode} / sum" for mode in MODES)],
             [
-                [
-                    str(r["size_mb"]),
-                    f"{r['sum_gbps']:.1f}",
-                    f"{r['fused_gbps']:.1f}",
-                    f"{r['ratio']:.2f}",
-                ]
+                [str(r["size_mb"]), f"{r['sum_gbps']:.1f}"]
+                + [f"{r[f'{mode}_over_sum']:.2f}" for mode in MODES]
                 for r in sums
             ],
         ),
     ]
     if results.get("against_fastai"):
+        names = [
+            "fastai v1 hook",
+            "fastai v2 hook + hist",
+            "python mean+std",
+            *(f"fused {mode}" for mode in MODES),
+            "torch.sum",
+        ]
         parts += [
             "",
-            "fused vs fastai v1's hook (reproduced: `o.mean().item(), o.std().item()`) "
-            "vs the python backend:",
+            "Milliseconds per call on conv-sized activations. fastai's hooks reproduced: v1 "
+            "`o.mean().item(), o.std().item()`; v2 with histogram `mean().item()`, "
+            "`std().item()`, `(o<=0.05).sum().item()/o.numel()`, `o.float().histc(40, 0, 10)`. "
+            "Fused every extra + hist computes all of those and more in one pass.",
             "",
             markdown_table(
                 [
                     "activation",
-                    "fastai v1 ms",
-                    "python ms",
-                    "fused ms",
-                    "torch.sum ms",
-                    "fastai / fused",
+                    *names,
+                    "v1 / fused mean+std",
+                    "v2+hist / fused+hist",
+                    "fused+hist / sum",
                 ],
                 [
-                    [
-                        r["shape"],
-                        f"{r['fastai v1 hook_ms']:.2f}",
-                        f"{r['python backend_ms']:.2f}",
-                        f"{r['fused_ms']:.2f}",
-                        f"{r['torch.sum_ms']:.2f}",
-                        f"{r['fastai_over_fused']:.1f}x",
+                    [r["shape"]]
+                    + [f"{r[f'{name}_ms']:.2f}" for name in names]
+                    + [
+                        f"{r['v1_over_fused']:.1f}x",
+                        f"{r['v2_hist_over_fused_hist']:.1f}x",
+                        f"{r['fused_hist_over_sum']:.1f}",
                     ]
                     for r in results["against_fastai"]
                 ],
@@ -227,8 +246,9 @@ def main() -> None:
         "device": args.device,
         "dtype": args.dtype,
         "sum_vs_fused": rows,
-        "geomean_ratio": geometric_mean(r["ratio"] for r in rows),
-        "min_ratio": min(r["ratio"] for r in rows),
+        "geomean_over_sum": {
+            mode: geometric_mean(r[f"{mode}_over_sum"] for r in rows) for mode in MODES
+        },
     }
     if dtype == torch.float32:
         results["against_fastai"] = against_fastai(args.device, args.rounds)

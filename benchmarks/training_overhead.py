@@ -24,6 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from fasthooks import ActivationStats, HookCallback
+from fasthooks.layout import EXTRAS
 
 VARIANTS = [
     "no hooks",
@@ -31,7 +32,9 @@ VARIANTS = [
     "fastai v2 hook (reproduced)",
     "fasthooks python",
     "fasthooks fused",
+    "fasthooks fused, every stat + 40-bin hist",
 ]
+EVERY_STAT = {"extra": EXTRAS, "hist_bins": 40}
 
 
 class ReproducedFastaiStats(HookCallback):
@@ -57,6 +60,10 @@ def make_callback(variant: str, model: nn.Module, expected_batches: int) -> Hook
         return ReproducedFastaiStats(model, fastai_v1_hook)
     if variant.startswith("fastai v2"):
         return ReproducedFastaiStats(model, fastai_v2_hook)
+    if variant.endswith("hist"):
+        return ActivationStats(
+            model, backend="fused", expected_batches=expected_batches, **EVERY_STAT
+        )
     backend = variant.removeprefix("fasthooks ")
     return ActivationStats(model, backend=backend, expected_batches=expected_batches)
 

@@ -15,6 +15,7 @@ VARIANTS = [
     "fastai v2 hook (reproduced)",
     "fasthooks python",
     "fasthooks fused",
+    "fasthooks fused, every stat + 40-bin hist",
 ]
 
 

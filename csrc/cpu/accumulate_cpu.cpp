@@ -2,6 +2,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <limits>
 #include <mutex>
 #include <vector>
 
@@ -68,6 +70,18 @@ void merge_into_slot(const T* p, int64_t n, ChunkFn<T, Acc> kernel, const ChunkP
   store_slot<Full>(slot, merge<Full>(load_slot<Full>(slot), batch));
 }
 
+// A bound on |first guess - exact position| in bins for a guess v * scale - lo * scale in Acc:
+// the rounding of lo * scale, of the scale and of the arithmetic, with room to spare.
+template <typename Acc>
+Acc guess_margin(const BinTable<Acc>& table, double lo) {
+  const double scale = static_cast<double>(table.scale);
+  const double eps = std::numeric_limits<Acc>::epsilon();
+  const double offset = static_cast<double>(table.lo * table.scale);
+  const double offset_error = std::fabs(offset - lo * scale);
+  const double margin = offset_error + (table.bins + 1 + std::fabs(lo) * scale) * 8 * eps;
+  return static_cast<Acc>(margin < 0.5 ? margin : 0.5);
+}
+
 template <typename T, typename Acc>
 void accumulate(const at::Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bool full,
                 const SlotPointers& slot, double near_zero, const at::Tensor& hist,
@@ -77,7 +91,8 @@ void accumulate(const at::Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bo
   for (int64_t k = 0; k <= bins; ++k) lower[k] = lower_edge<Acc>(k, bins, hist_min, hist_max);
   const BinTable<Acc> table{lower.data(), round_down<Acc>(hist_max), static_cast<Acc>(hist_min),
                             static_cast<Acc>(bins / (hist_max - hist_min)), bins};
-  const ChunkParams<Acc> params{static_cast<Acc>(near_zero), bins > 0 ? &table : nullptr};
+  const ChunkParams<Acc> params{static_cast<Acc>(near_zero), bins > 0 ? &table : nullptr,
+                                guess_margin(table, hist_min)};
   std::vector<int64_t> counts(bins);
   const T* p = dense.const_data_ptr<T>();
   if (full) {

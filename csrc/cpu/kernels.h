@@ -11,18 +11,20 @@
 
 namespace fasthooks {
 
-// What a chunk kernel needs besides the values; `bins` is null without a histogram.
+// What a chunk kernel needs besides the values; `bins` is null without a histogram. A first
+// guess of a bin whose fractional part is within `bin_margin` of an integer may be off by one.
 template <typename Acc>
 struct ChunkParams {
   Acc near_zero;
   const BinTable<Acc>* bins;
+  Acc bin_margin;
 };
 
 // Statistics of n contiguous values; with a histogram, each value's bin is counted in one of
 // kHistLanes lane-private rows of (bins + 1) counters (the last one takes values in no bin).
 template <typename T, typename Acc>
 using ChunkFn = Stats (*)(const T*, int64_t, const ChunkParams<Acc>&, uint32_t*);
-constexpr int64_t kHistLanes = 4;
+constexpr int64_t kHistLanes = 8;
 
 // Index 0: mean and std only; index 1: every statistic.
 struct ChunkKernels {

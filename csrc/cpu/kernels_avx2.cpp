@@ -36,6 +36,57 @@ inline void gather(const double* table, const Long4& index, Double4& out) {
   out = reinterpret_cast<Double4>(_mm256_i64gather_pd(table, reinterpret_cast<__m256i>(index), 8));
 }
 
+inline void clamp_lanes(const Float8& v, const Float8& low, const Float8& high, Float8& out) {
+  // max_ps returns its second operand, low, for NaN.
+  const __m256 above = _mm256_max_ps(reinterpret_cast<__m256>(v), reinterpret_cast<__m256>(low));
+  out = reinterpret_cast<Float8>(_mm256_min_ps(above, reinterpret_cast<__m256>(high)));
+}
+inline void clamp_lanes(const Double4& v, const Double4& low, const Double4& high, Double4& out) {
+  const __m256d above = _mm256_max_pd(reinterpret_cast<__m256d>(v), reinterpret_cast<__m256d>(low));
+  out = reinterpret_cast<Double4>(_mm256_min_pd(above, reinterpret_cast<__m256d>(high)));
+}
+
+inline bool any_lane(const Int8& mask) {
+  return _mm256_movemask_ps(reinterpret_cast<__m256>(mask)) != 0;
+}
+inline bool any_lane(const Long4& mask) {
+  return _mm256_movemask_pd(reinterpret_cast<__m256d>(mask)) != 0;
+}
+
+// For each mask of 8 lanes, the permutation that moves the selected lanes to the front.
+struct PackTable {
+  int32_t lanes[256][8];
+};
+constexpr PackTable make_pack_table() {
+  PackTable table{};
+  for (int mask = 0; mask < 256; ++mask) {
+    int next = 0;
+    for (int j = 0; j < 8; ++j) {
+      if (mask >> j & 1) table.lanes[mask][next++] = j;
+    }
+  }
+  return table;
+}
+alignas(32) constexpr PackTable kPackTable = make_pack_table();
+
+// Stores the lanes of index selected by mask contiguously at out (a whole vector is written);
+// returns how many there were.
+inline int64_t pack_lanes(const Int8& index, const Int8& mask, int32_t* out) {
+  const int bits = _mm256_movemask_ps(reinterpret_cast<__m256>(mask));
+  const __m256i order = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPackTable.lanes[bits]));
+  const __m256i packed = _mm256_permutevar8x32_epi32(reinterpret_cast<__m256i>(index), order);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
+  return __builtin_popcount(bits);
+}
+inline int64_t pack_lanes(const Long4& index, const Long4& mask, int64_t* out) {
+  int64_t count = 0;
+  for (int j = 0; j < 4; ++j) {
+    out[count] = index[j];
+    count += mask[j] != 0;
+  }
+  return count;
+}
+
 #include "chunk_stats_impl.h"
 
 }  // namespace avx2

@@ -16,6 +16,29 @@ inline void gather(const Acc* table, const Index& index, Vec& out) {
   for (size_t j = 0; j < sizeof(Vec) / sizeof(Acc); ++j) out[j] = table[index[j]];
 }
 
+template <typename Vec>
+inline void clamp_lanes(const Vec& v, const Vec& low, const Vec& high, Vec& out) {
+  const Vec above = v > low ? v : low;  // NaN becomes low
+  out = above < high ? above : high;
+}
+
+template <typename Index>
+inline bool any_lane(const Index& mask) {
+  bool any = false;
+  for (size_t j = 0; j < sizeof(Index) / sizeof(mask[0]); ++j) any |= mask[j] != 0;
+  return any;
+}
+
+template <typename Index, typename Int>
+inline int64_t pack_lanes(const Index& index, const Index& mask, Int* out) {
+  int64_t count = 0;
+  for (size_t j = 0; j < sizeof(Index) / sizeof(Int); ++j) {
+    out[count] = index[j];
+    count += mask[j] != 0;
+  }
+  return count;
+}
+
 #include "chunk_stats_impl.h"
 
 }  // namespace portable
