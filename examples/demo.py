@@ -1,6 +1,8 @@
 """Train a small CNN on scikit-learn's bundled 8x8 digits with ActivationStats watching every layer.
 
-Prints the per-layer statistics as a table and saves a plot of mean and std over the batches.
+Prints the per-layer statistics (mean, std, near-zero fraction, largest activation, non-finite
+count and a 40-bin histogram, all from one fused pass per layer and batch) as a table and saves a
+plot of mean and std over the batches.
     python examples/demo.py --out results/demo
 """
 
@@ -43,12 +45,31 @@ def small_cnn() -> nn.Sequential:
     )
 
 
-def stats_table(names: list[str], stats: torch.Tensor) -> str:
-    """Mean and std of each layer at the first batch, the last batch and over all batches."""
-    header = f"{'layer':<22}{'mean first':>12}{'mean last':>12}{'std first':>12}{'std last':>12}"
+def stats_table(names: list[str], act: ActivationStats) -> str:
+    """Per layer: mean and std at the first and last batch, then the last batch's near-zero
+    fraction, largest activation and most populated histogram bin, and the non-finite count."""
+    stats, extra, hist = act.stats, act.extra, act.hist
+    columns = ["mean first", "mean last", "std first", "std last", "near-0 last", "max last"]
+    header = f"{'layer':<20}" + "".join(f"{c:>12}" for c in columns)
+    header += f"{'fullest bin':>16}{'nonfinite':>10}"
     rows = [header, "-" * len(header)]
-    for name, mean, std in zip(names, stats[0], stats[1], strict=True):
-        rows.append(f"{name:<22}{mean[0]:>12.4f}{mean[-1]:>12.4f}{std[0]:>12.4f}{std[-1]:>12.4f}")
+    width = (act.hist_max - act.hist_min) / act.hist_bins
+    for i, name in enumerate(names):
+        mean, std = stats[0, i], stats[1, i]
+        values = [
+            mean[0],
+            mean[-1],
+            std[0],
+            std[-1],
+            extra["near_zero"][i, -1],
+            extra["max"][i, -1],
+        ]
+        low = act.hist_min + width * int(hist[i, -1].argmax())
+        rows.append(
+            f"{name:<20}"
+            + "".join(f"{v:>12.4f}" for v in values)
+            + f"{f'[{low:.2f}, {low + width:.2f})':>16}{extra['nonfinite'][i].sum().item():>10d}"
+        )
     return "\n".join(rows)
 
 
@@ -69,7 +90,12 @@ def main() -> None:
     loss_fn = nn.CrossEntropyLoss()
     batches_per_epoch = -(-len(x_train) // args.batch_size)
     act = ActivationStats(
-        model, backend=args.backend, expected_batches=args.epochs * batches_per_epoch
+        model,
+        backend=args.backend,
+        expected_batches=args.epochs * batches_per_epoch,
+        extra=("near_zero", "max", "nonfinite"),
+        hist_bins=40,
+        hist_range=(-5.0, 5.0),
     )
 
     with act, tqdm(total=args.epochs * batches_per_epoch, unit="batch") as progress:
@@ -96,7 +122,7 @@ def main() -> None:
         f"\nActivationStats ({act.backend} backend): {stats.shape[2]} training batches, "
         f"{stats.shape[1]} layers, final validation accuracy {accuracy:.3f}\n"
     )
-    print(stats_table(names, stats))
+    print(stats_table(names, act))
     args.out.mkdir(parents=True, exist_ok=True)
     path = plot_stats(stats, args.out / "activation_stats.png", names)
     print(f"\nplot saved to {path}")
