@@ -18,18 +18,81 @@ constexpr int64_t kBlock = 2048;
 // hardware prefetcher alone (measured: about +10% once the tensor no longer fits in cache).
 constexpr int64_t kPrefetchBytes = 16384;
 
+// Finds the bins of a vector of values and packs those of the values inside the range, dropping
+// the others. A first guess is clamped to [0.5, bins - 0.5] (a value in the outer half of an
+// outer bin needs no check) and, only in the rare vector where some guess lies within `margin` of
+// an edge, moved one step down or up against the exact edges (gathered). As scalar code, GCC
+// turns the clamps into branches that random data mispredicts half the time (measured: 12 ns a
+// value).
+template <typename Acc>
+struct VectorBins {
+  typedef Acc Vec __attribute__((vector_size(32)));
+  using Index = decltype(Vec{} < Vec{});
+  using Int = std::conditional_t<sizeof(Acc) == 4, int32_t, int64_t>;
+  static constexpr int64_t lanes = 32 / sizeof(Acc);
+
+  VectorBins(const BinTable<Acc>& t, Acc margin)
+      : table(t),
+        scale(Vec{} + t.scale),
+        offset(Vec{} + t.lo * t.scale),
+        low(Vec{} + Acc(0.5)),
+        high(Vec{} + (static_cast<Acc>(t.bins) - Acc(0.5))),
+        first(Vec{} + t.lower[0]),
+        top(Vec{} + t.top),
+        near_low(Vec{} + margin),
+        near_high(Vec{} + (Acc(1) - margin)) {}
+
+  // Writes a whole vector at out; returns how many of its bins belong there.
+  int64_t pack(const Vec& v, Int* out) const {
+    Vec guess;
+    clamp_lanes(v * scale - offset, low, high, guess);  // NaN becomes 0.5
+    Index pos = __builtin_convertvector(guess, Index);
+    const Vec fraction = guess - __builtin_convertvector(pos, Vec);
+    if (any_lane((fraction < near_low) | (fraction > near_high))) {
+      Vec edge;
+      gather(table.lower, pos, edge);
+      pos += v < edge;  // a true comparison is -1
+      gather(table.lower, pos + 1, edge);
+      pos -= v >= edge;
+    }
+    return pack_lanes(pos, (v >= first) & (v <= top), out);
+  }
+
+  const BinTable<Acc>& table;
+  const Vec scale, offset, low, high, first, top, near_low, near_high;
+};
+
+// Bins found for one block, counted in one of kHistLanes lane-private rows so that consecutive
+// values in one bin do not wait on each other's store; then the values left unbinned, one by one.
+template <typename Acc, typename Int>
+inline void count_bins(const Int* bins, int64_t packed, const Acc* rest, int64_t rest_n,
+                       const BinTable<Acc>& t, uint32_t* rows) {
+  const int64_t stride = t.bins + 1;
+  int64_t i = 0;
+  for (; i + kHistLanes <= packed; i += kHistLanes) {
+    for (int64_t k = 0; k < kHistLanes; ++k) ++rows[k * stride + bins[i + k]];
+  }
+  for (; i < packed; ++i) ++rows[bins[i]];
+  for (int64_t j = 0; j < rest_n; ++j) ++rows[bin_of(rest[j], t)];
+}
+
 template <typename Acc>
 struct BlockSums {
   double s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0;  // power sums of (x - shift)
   Acc min, max;                                   // NaN is ignored here and found afterwards
   int64_t near_zero = 0;
+  int64_t packed = 0;  // with a histogram: bins found, and values looked at, in the vector loop
+  int64_t binned = 0;
 };
 
-// One pass over a block. Independent 32-byte accumulators keep the FP pipes busy (four for mean
-// and std; two when every statistic is on, which would otherwise run out of registers); GCC's
-// vector extension compiles them to AVX2 in the AVX2 kernels and to SSE2 pairs in the portable.
-template <typename Acc, bool Full>
-inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_zero) {
+// One pass over a block, finding histogram bins on the way when `finder` is given. Independent
+// 32-byte accumulators keep the FP pipes busy (four for mean and std; two when every statistic is
+// on, which would otherwise run out of registers); GCC's vector extension compiles them to AVX2
+// in the AVX2 kernels and to SSE2 pairs in the portable.
+template <typename Acc, bool Full, typename Finder = VectorBins<Acc>>
+inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_zero,
+                                 const Finder* finder = nullptr,
+                                 typename Finder::Int* bins = nullptr) {
   typedef Acc Vec __attribute__((vector_size(32)));
   using Mask = decltype(Vec{} <= Vec{});
   constexpr int64_t lanes = 32 / sizeof(Acc);
@@ -40,6 +103,7 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
   Vec lo = Vec{} + static_cast<Acc>(INFINITY);
   Vec hi = Vec{} - static_cast<Acc>(INFINITY);
   Mask small = {};
+  int64_t packed = 0;
   int64_t i = 0;
   for (; i + kAcc * lanes <= n; i += kAcc * lanes) {
     const char* ahead = reinterpret_cast<const char*>(p + i) + kPrefetchBytes;
@@ -59,9 +123,12 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
         hi = v > hi ? v : hi;
         small -= v <= near_zero_v;
       }
+      if (finder != nullptr) packed += finder->pack(v, bins + packed);
     }
   }
   BlockSums<Acc> s;
+  s.packed = packed;
+  s.binned = i;
   Vec t1 = a1[0], t2 = a2[0], t3 = a3[0], t4 = a4[0];
   for (int k = 1; k < kAcc; ++k) {
     t1 += a1[k];
@@ -136,64 +203,18 @@ inline void count_nonfinite(const Acc* p, int64_t n, Stats& s) {
   if (nan) s.min = s.max = NAN;
 }
 
-// Two passes over the block (in L1 by now). A vector pass finds the bin of every value inside
-// the range: a first guess clamped to [0.5, bins - 0.5] (a value in the outer half of an outer
-// bin needs no check) and, only in the rare vector where some guess lies within `margin` of an
-// edge, one step down or up against the exact edges (gathered); the bins of values inside the
-// range are packed together, the others dropped. As scalar code, GCC turns the clamps into
-// branches that random data mispredicts half the time (measured: 12 ns a value). Then a scalar
-// pass counts each bin in one of kHistLanes lane-private rows, so that consecutive values in one
-// bin do not wait on each other's store.
-template <typename Acc>
-inline void add_to_histogram(const Acc* p, int64_t n, const BinTable<Acc>& t, Acc margin,
-                             uint32_t* rows) {
-  typedef Acc Vec __attribute__((vector_size(32)));
-  using Index = decltype(Vec{} < Vec{});
-  using Int = std::conditional_t<sizeof(Acc) == 4, int32_t, int64_t>;
-  constexpr int64_t lanes = 32 / sizeof(Acc);
-  const Vec scale = Vec{} + t.scale;
-  const Vec offset = Vec{} + t.lo * t.scale;
-  const Vec low = Vec{} + Acc(0.5);
-  const Vec high = Vec{} + (static_cast<Acc>(t.bins) - Acc(0.5));
-  const Vec first = Vec{} + t.lower[0];
-  const Vec top = Vec{} + t.top;
-  const Vec near_low = Vec{} + margin;
-  const Vec near_high = Vec{} + (Acc(1) - margin);
-  Int bins[kBlock + lanes];  // room for a full vector stored past the last packed bin
-  int64_t packed = 0;
-  const int64_t vectors = n / lanes * lanes;
-  for (int64_t i = 0; i < vectors; i += lanes) {
-    Vec v;
-    std::memcpy(&v, p + i, sizeof(Vec));
-    Vec guess;
-    clamp_lanes(v * scale - offset, low, high, guess);  // NaN becomes 0.5
-    Index pos = __builtin_convertvector(guess, Index);
-    const Vec fraction = guess - __builtin_convertvector(pos, Vec);
-    if (any_lane((fraction < near_low) | (fraction > near_high))) {
-      Vec edge;
-      gather(t.lower, pos, edge);
-      pos += v < edge;  // a true comparison is -1
-      gather(t.lower, pos + 1, edge);
-      pos -= v >= edge;
-    }
-    const Index inside = (v >= first) & (v <= top);
-    packed += pack_lanes(pos, inside, bins + packed);
-  }
-  const int64_t stride = t.bins + 1;
-  int64_t i = 0;
-  for (; i + kHistLanes <= packed; i += kHistLanes) {
-    for (int64_t k = 0; k < kHistLanes; ++k) ++rows[k * stride + bins[i + k]];
-  }
-  for (; i < packed; ++i) ++rows[bins[i]];
-  for (int64_t j = vectors; j < n; ++j) ++rows[bin_of(p[j], t)];
-}
-
 // Statistics of one block, summed around `shift`, then once more around the block's own mean
 // when `shift` proved far from it: float sums around a distant shift lose the spread.
+// With a histogram, the block's bins are counted into `rows` too.
 template <typename Acc, bool Full>
-inline Stats block_stats(const Acc* p, int64_t n, Acc shift, Acc near_zero) {
+inline Stats block_stats(const Acc* p, int64_t n, Acc shift, Acc near_zero,
+                         const VectorBins<Acc>* finder, uint32_t* rows) {
   const double count = static_cast<double>(n);
-  BlockSums<Acc> s = block_sums<Acc, Full>(p, n, shift, near_zero);
+  typename VectorBins<Acc>::Int bins[kBlock + VectorBins<Acc>::lanes];  // room for a last vector
+  BlockSums<Acc> s = block_sums<Acc, Full>(p, n, shift, near_zero, finder, bins);
+  if (finder != nullptr) {
+    count_bins(bins, s.packed, p + s.binned, n - s.binned, finder->table, rows);
+  }
   Stats b;
   moments_from_shifted_sums<Full>(b, count, shift, s.s1, s.s2, s.s3, s.s4);
   const double d = s.s1 / count;
@@ -218,6 +239,10 @@ Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<
   using Acc = typename Accumulator<T>::type;
   Stats total;
   [[maybe_unused]] Acc buffer[std::is_same_v<T, Acc> ? 1 : kBlock];
+  const std::optional<VectorBins<Acc>> finder =
+      hist_rows != nullptr
+          ? std::optional<VectorBins<Acc>>(std::in_place, *params.bins, params.bin_margin)
+          : std::nullopt;
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = n - b < kBlock ? n - b : kBlock;
     const Acc* values;
@@ -230,10 +255,8 @@ Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<
     // Every block re-centres on the running mean, so no choice of first values spoils the rest.
     const Acc shift =
         b == 0 ? head_mean(values, len) : finite_or_zero(static_cast<Acc>(total.mean));
-    total = merge<Full>(total, block_stats<Acc, Full>(values, len, shift, params.near_zero));
-    if (hist_rows != nullptr) {
-      add_to_histogram(values, len, *params.bins, params.bin_margin, hist_rows);
-    }
+    total = merge<Full>(total, block_stats<Acc, Full>(values, len, shift, params.near_zero,
+                                                      finder ? &*finder : nullptr, hist_rows));
   }
   return total;
 }

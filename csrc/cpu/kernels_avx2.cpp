@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <optional>
 #include <type_traits>
 
 #include "kernels.h"

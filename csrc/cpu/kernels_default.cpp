@@ -1,5 +1,6 @@
 // The portable chunk kernels: baseline instruction set of the target.
 #include <cstring>
+#include <optional>
 #include <type_traits>
 
 #include "kernels.h"
