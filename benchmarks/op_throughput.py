@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from fasthooks import ActivationStats
 from fasthooks.buffers import StatBuffers
+from fasthooks.layout import EXTRAS
 from fasthooks.moments import accumulate_stats_python
 from fasthooks.ops import accumulate_stats
 
@@ -138,6 +139,25 @@ def hooked_call_cost(device: str, rounds: int) -> dict:
     }
 
 
+def read_cost(modules: int = 50, batches: int = 20_000) -> dict:
+    """Microseconds to read act.stats and act.extra after `batches` batches of `modules` modules."""
+    model = nn.Sequential(*(nn.Identity() for _ in range(modules)))
+    act = ActivationStats(model, modules=list(model), extra=EXTRAS, expected_batches=batches + 1)
+    act.on_train_begin()
+    for _ in range(batches):
+        act.on_batch_end(train=True)
+    timings = interleaved(
+        {"stats": lambda: act.stats, "extra": lambda: act.extra}, rounds=5, calls=100
+    )
+    act.on_train_end()
+    return {
+        "modules": modules,
+        "batches": batches,
+        "stats_us": timings["stats"].min * 1e6,
+        "extra_us": timings["extra"].min * 1e6,
+    }
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -215,6 +235,15 @@ def report(results: dict) -> str:
                 ],
             ),
         ]
+    if results.get("read"):
+        r = results["read"]
+        parts += [
+            "",
+            f"Reading after {r['batches']:,} batches of {r['modules']} modules: `act.stats` "
+            f"{r['stats_us']:.1f} us, `act.extra` (every extra) {r['extra_us']:.1f} us, best of "
+            "the rounds (views of the buffers; the non-finite counts are converted to int64 "
+            "once per new column).",
+        ]
     if results.get("hooked_call"):
         h = results["hooked_call"]
         parts += [
@@ -253,6 +282,7 @@ def main() -> None:
     if dtype == torch.float32:
         results["against_fastai"] = against_fastai(args.device, args.rounds)
         results["hooked_call"] = hooked_call
+        results["read"] = read_cost()
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2))

@@ -89,10 +89,10 @@ struct BlockSums {
 // 32-byte accumulators keep the FP pipes busy (four for mean and std; two when every statistic is
 // on, which would otherwise run out of registers); GCC's vector extension compiles them to AVX2
 // in the AVX2 kernels and to SSE2 pairs in the portable.
-template <typename Acc, bool Full, typename Finder = VectorBins<Acc>>
+template <typename Acc, bool Full, bool Hist>
 inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_zero,
-                                 const Finder* finder = nullptr,
-                                 typename Finder::Int* bins = nullptr) {
+                                 const VectorBins<Acc>* finder,
+                                 typename VectorBins<Acc>::Int* bins) {
   typedef Acc Vec __attribute__((vector_size(32)));
   using Mask = decltype(Vec{} <= Vec{});
   constexpr int64_t lanes = 32 / sizeof(Acc);
@@ -123,7 +123,7 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
         hi = v > hi ? v : hi;
         small -= v <= near_zero_v;
       }
-      if (finder != nullptr) packed += finder->pack(v, bins + packed);
+      if constexpr (Hist) packed += finder->pack(v, bins + packed);
     }
   }
   BlockSums<Acc> s;
@@ -206,21 +206,19 @@ inline void count_nonfinite(const Acc* p, int64_t n, Stats& s) {
 // Statistics of one block, summed around `shift`, then once more around the block's own mean
 // when `shift` proved far from it: float sums around a distant shift lose the spread.
 // With a histogram, the block's bins are counted into `rows` too.
-template <typename Acc, bool Full>
+template <typename Acc, bool Full, bool Hist>
 inline Stats block_stats(const Acc* p, int64_t n, Acc shift, Acc near_zero,
                          const VectorBins<Acc>* finder, uint32_t* rows) {
   const double count = static_cast<double>(n);
-  typename VectorBins<Acc>::Int bins[kBlock + VectorBins<Acc>::lanes];  // room for a last vector
-  BlockSums<Acc> s = block_sums<Acc, Full>(p, n, shift, near_zero, finder, bins);
-  if (finder != nullptr) {
-    count_bins(bins, s.packed, p + s.binned, n - s.binned, finder->table, rows);
-  }
+  typename VectorBins<Acc>::Int bins[Hist ? kBlock + VectorBins<Acc>::lanes : 1];
+  BlockSums<Acc> s = block_sums<Acc, Full, Hist>(p, n, shift, near_zero, finder, bins);
+  if constexpr (Hist) count_bins(bins, s.packed, p + s.binned, n - s.binned, finder->table, rows);
   Stats b;
   moments_from_shifted_sums<Full>(b, count, shift, s.s1, s.s2, s.s3, s.s4);
   const double d = s.s1 / count;
   if (4.0 * count * d * d > b.m2 && std::isfinite(b.mean)) {
     shift = finite_or_zero(static_cast<Acc>(b.mean));
-    s = block_sums<Acc, Full>(p, n, shift, near_zero);
+    s = block_sums<Acc, Full, false>(p, n, shift, near_zero, nullptr, nullptr);
     moments_from_shifted_sums<Full>(b, count, shift, s.s1, s.s2, s.s3, s.s4);
   }
   if constexpr (Full) {
@@ -255,8 +253,11 @@ Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<
     // Every block re-centres on the running mean, so no choice of first values spoils the rest.
     const Acc shift =
         b == 0 ? head_mean(values, len) : finite_or_zero(static_cast<Acc>(total.mean));
-    total = merge<Full>(total, block_stats<Acc, Full>(values, len, shift, params.near_zero,
-                                                      finder ? &*finder : nullptr, hist_rows));
+    const Stats block = finder ? block_stats<Acc, Full, true>(values, len, shift, params.near_zero,
+                                                              &*finder, hist_rows)
+                               : block_stats<Acc, Full, false>(values, len, shift, params.near_zero,
+                                                               nullptr, nullptr);
+    total = merge<Full>(total, block);
   }
   return total;
 }

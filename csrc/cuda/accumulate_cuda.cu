@@ -55,9 +55,10 @@ struct Buffers {
   double hist_max;
 };
 
+// Only the first Fields entries are combined; the rest stay zero.
 template <int Fields>
 struct Partials {
-  double v[Fields];
+  double v[kPartials] = {};
 };
 
 template <int Fields>
@@ -129,7 +130,7 @@ __global__ void __launch_bounds__(kThreads)
   auto* lower = reinterpret_cast<Acc*>(dynamic_shared);
   auto* hist = reinterpret_cast<unsigned int*>(lower + kMaxBins + 1);
   BinTable<Acc> table{lower, Acc(0), Acc(0), Acc(0), b.bins};
-  if (Hist) {
+  if constexpr (Hist) {
     for (int64_t k = threadIdx.x; k <= b.bins; k += blockDim.x) {
       lower[k] = lower_edge<Acc>(k, b.bins, b.hist_min, b.hist_max);
       if (k < b.bins) hist[k] = 0;
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(kThreads)
     const Acc d2 = d * d;
     a1 += d;
     a2 += d2;
-    if (Full) {
+    if constexpr (Full) {
       a3 += d2 * d;
       a4 += d2 * d2;
       t.min = fmin(t.min, v);  // NaN is ignored here and flagged instead
@@ -161,7 +162,7 @@ __global__ void __launch_bounds__(kThreads)
       t.near_zero += v <= near_zero;
       t.nonfinite += !(v - v == Acc(0));
     }
-    if (Hist) count_bin(v, table, hist);
+    if constexpr (Hist) count_bin(v, table, hist);
   };
 
   constexpr int kVec = kVecBytes / sizeof(T);
@@ -191,7 +192,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t column = *b.cursor;
   CUDA_KERNEL_ASSERT(column >= 0 && column < b.capacity);
   const int64_t cell = b.slot * b.capacity + column;
-  if (Hist) {
+  if constexpr (Hist) {
     __syncthreads();
     int64_t* row = b.hist + cell * b.bins;
     for (int64_t k = threadIdx.x; k < b.bins; k += blockDim.x) {
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(kThreads)
   Partials<Fields> p;
   p.v[kS1] = t.s1;
   p.v[kS2] = t.s2;
-  if (Full) {
+  if constexpr (Full) {
     p.v[kS3] = t.s3;
     p.v[kS4] = t.s4;
     p.v[kPMin] = t.nan ? NAN : static_cast<double>(t.min);
@@ -225,7 +226,7 @@ __global__ void __launch_bounds__(kThreads)
 
   Partials<Fields> total;
   for (int f = 0; f < Fields; ++f) total.v[f] = 0.0;
-  if (Full) {
+  if constexpr (Full) {
     total.v[kPMin] = INFINITY;
     total.v[kPMax] = -INFINITY;
   }
@@ -240,7 +241,7 @@ __global__ void __launch_bounds__(kThreads)
     moments_from_shifted_sums<Full>(batch, static_cast<double>(n), shift, total.v[kS1],
                                     total.v[kS2], Full ? total.v[kS3] : 0.0,
                                     Full ? total.v[kS4] : 0.0);
-    if (Full) {
+    if constexpr (Full) {
       batch.min = total.v[kPMin];
       batch.max = total.v[kPMax];
       batch.near_zero = total.v[kPNearZero];
