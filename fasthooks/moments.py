@@ -57,7 +57,7 @@ def batch_stats(x: torch.Tensor, full: bool, near_zero: float) -> torch.Tensor:
         [2.0, 2.0, 2.0]
     """
     x = x.reshape(-1).to(accumulation_dtype(x.dtype))
-    n = torch.tensor(x.numel(), dtype=torch.float64, device=x.device)
+    n = torch.full((), x.numel(), dtype=torch.float64, device=x.device)  # a fill: no copy
     # In float64: a float32 variance loses digits when |mean| >> std (2e-5 on N(1e5, 1)).
     values = x.double()
     # torch.mean rather than var_mean's Welford mean, which turns an infinite mean into NaN.
