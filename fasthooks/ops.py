@@ -16,6 +16,8 @@ from .moments import accumulate_stats_python
 # (x, state, stats, extra, hist, workspace, cursor, slot, near_zero, hist_min, hist_max)
 Accumulate = Callable[..., None]
 BACKENDS = ("auto", "fused", "python")
+# The operator's tensor arguments in order; its scalars slot, near_zero, hist_min, hist_max follow.
+TENSOR_ARGUMENTS = ("x", "state", "stats", "extra", "hist", "workspace", "cursor")
 BUILD_HINT = (
     "build it with `pip install --no-build-isolation .` (or `make test`) in an environment "
     "that has torch and a C++ compiler"
@@ -36,22 +38,10 @@ _LOAD_ERROR = _load_extension()
 if _LOAD_ERROR is None:
 
     @torch.library.register_fake("fasthooks::accumulate_stats")
-    def _accumulate_stats_fake(
-        x: torch.Tensor,
-        state: torch.Tensor,
-        stats: torch.Tensor,
-        extra: torch.Tensor,
-        hist: torch.Tensor,
-        workspace: torch.Tensor,
-        cursor: torch.Tensor,
-        slot: int,
-        near_zero: float,
-        hist_min: float,
-        hist_max: float,
-    ) -> None:
+    def _accumulate_stats_fake(*args: object) -> None:
         # Also the Meta kernel: a meta tensor among real ones must not silently skip the update.
-        tensors = {"x": x, "stats": stats, "extra": extra, "hist": hist, "workspace": workspace}
-        for name, t in {**tensors, "cursor": cursor}.items():
+        state = args[1]
+        for name, t in zip(TENSOR_ARGUMENTS, args, strict=False):
             if t.device != state.device:
                 raise RuntimeError(
                     f"accumulate_stats: {name} must be on the state's device {state.device}, "
