@@ -15,7 +15,7 @@ from .sizes import (
     params_size,
     total_params,
 )
-from .stats import ActivationStats
+from .stats import ActivationStats, StatisticsError
 
 __all__ = [
     "ActivationStats",
@@ -23,6 +23,7 @@ __all__ = [
     "HookCallback",
     "Hooks",
     "LayerInfo",
+    "StatisticsError",
     "__version__",
     "dummy_batch",
     "dummy_eval",

@@ -31,6 +31,11 @@ class StatBuffers:
     ) -> None:
         device = torch.device(device)
         self.full, self.hist_bins = full, hist_bins
+        # Buffers made under torch.inference_mode could not be updated once training resumes.
+        with torch.inference_mode(False):
+            self._create(num_modules, capacity, device)
+
+    def _create(self, num_modules: int, capacity: int, device: torch.device) -> None:
         self.cursor = torch.zeros((), dtype=torch.int64, device=device)
         # Partial results of the CUDA kernels; the zeroed counter is reset by the kernel itself.
         self.workspace = torch.zeros(
@@ -62,7 +67,8 @@ class StatBuffers:
         """Double the capacity, keeping every column."""
         old = (self.state, self.stats, self.extra, self.hist)
         capacity = self.capacity
-        self._allocate(self.state.shape[1], 2 * capacity, self.state.device)
+        with torch.inference_mode(False):
+            self._allocate(self.state.shape[1], 2 * capacity, self.state.device)
         for new, previous, axis in zip(
             (self.state, self.stats, self.extra, self.hist), old, (2, 2, 2, 1), strict=True
         ):

@@ -26,6 +26,11 @@ def _detach(value: Any) -> Any:
 def _check_module(m: Any, name: str) -> nn.Module:
     if not isinstance(m, nn.Module):
         raise TypeError(f"{name} must be a torch.nn.Module, got {type(m).__name__}")
+    if isinstance(m, torch.jit.ScriptModule):
+        raise TypeError(
+            f"{name} is a TorchScript module ({type(m).__name__}), which takes no Python hooks: "
+            "hook the eager module before scripting it, or use torch.compile instead"
+        )
     return m
 
 
@@ -204,6 +209,8 @@ class HookCallback:
     ) -> None:
         self.model = _resolve_model(model)
         self.modules: list[nn.Module] | None = None
+        if isinstance(modules, nn.Module) and not hasattr(type(modules), "__iter__"):
+            modules = [modules]  # one module; a Sequential or ModuleList stands for its children
         if modules is not None:
             self.modules = [_check_module(m, f"modules[{i}]") for i, m in enumerate(modules)]
         self.do_remove = do_remove
@@ -213,12 +220,16 @@ class HookCallback:
     def hook(self, m: nn.Module, i: Any, o: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define hook(self, m, input, output)")
 
+    def resolve_modules(self) -> list[nn.Module]:
+        """The modules to hook, checked: those given, else every leaf module with parameters."""
+        modules = self.modules if self.modules is not None else leaf_modules_with_params(self.model)
+        self.modules = [_check_module(m, f"modules[{i}]") for i, m in enumerate(modules)]
+        return self.modules
+
     def on_train_begin(self, **kwargs: Any) -> None:
         """Register the hooks (again, if an earlier run left some)."""
         self._remove_hooks()
-        if self.modules is None:
-            self.modules = leaf_modules_with_params(self.model)
-        self.hooks = Hooks(self.modules, _weak_hook(self), detach=self.detach)
+        self.hooks = Hooks(self.resolve_modules(), _weak_hook(self), detach=self.detach)
         self._finalizer = weakref.finalize(self, self.hooks.remove)
 
     def on_batch_end(self, train: bool = True, **kwargs: Any) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,22 +14,30 @@ from torch import nn
 
 from .buffers import HostCopy, StatBuffers
 from .hook import HookCallback
-from .layout import EXTRA_PLANES, EXTRAS, MAX_HIST_BINS
+from .layout import COUNT, EXTRA_PLANES, EXTRAS, MAX_HIST_BINS
 from .ops import resolve_backend
+from .outputs import measured_tensor
 
 DEFAULT_CAPACITY = 64
+# What the operator and the Python backend raise on input they cannot measure.
+_MEASURE_ERRORS = (RuntimeError, TypeError, ValueError, NotImplementedError)
 
 
-def first_tensor(output: Any) -> torch.Tensor | None:
-    """The output itself if it is a tensor, else the first tensor inside (nested) tuples/lists."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)):
-        for item in output:
-            found = first_tensor(item)
-            if found is not None:
-                return found
-    return None
+class StatisticsError(RuntimeError):
+    """Recording a module's statistics failed; the message names the module."""
+
+
+def _count(value: Any, name: str, low: int) -> int:
+    """An integer argument with `operator.index` semantics (bools refused), at least `low`."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if count < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {count}")
+    return count
 
 
 def _check_extra(extra: Any) -> tuple[str, ...]:
@@ -39,9 +49,8 @@ def _check_extra(extra: Any) -> tuple[str, ...]:
 
 
 def _check_hist(hist_bins: Any, hist_range: Any) -> tuple[int, float, float]:
-    if isinstance(hist_bins, bool) or not isinstance(hist_bins, numbers.Integral):
-        raise TypeError(f"hist_bins must be an int, got {type(hist_bins).__name__}")
-    if not 0 <= hist_bins <= MAX_HIST_BINS:
+    hist_bins = _count(hist_bins, "hist_bins", 0)
+    if hist_bins > MAX_HIST_BINS:
         raise ValueError(f"hist_bins must be in [0, {MAX_HIST_BINS}], got {hist_bins}")
     try:
         lo, hi = (float(v) for v in hist_range)
@@ -109,8 +118,7 @@ class ActivationStats(HookCallback):
         hist_range: tuple[float, float] = (0.0, 10.0),
     ) -> None:
         super().__init__(model, modules, do_remove)
-        if not isinstance(expected_batches, int) or expected_batches < 1:
-            raise ValueError(f"expected_batches must be a positive int, got {expected_batches!r}")
+        expected_batches = _count(expected_batches, "expected_batches", 1)
         if isinstance(near_zero, bool) or not isinstance(near_zero, numbers.Real):
             raise TypeError(f"near_zero must be a number, got {type(near_zero).__name__}")
         if math.isnan(near_zero):
@@ -121,25 +129,38 @@ class ActivationStats(HookCallback):
         self.near_zero = float(near_zero)
         self.hist_bins, self.hist_min, self.hist_max = _check_hist(hist_bins, hist_range)
         self._slots: dict[nn.Module, int] = {}
+        self._names: dict[nn.Module, str] = {}
+        self._warned: set[nn.Module] = set()
+        if self.modules is not None:
+            self._slots = self._check_unique(self.modules)
         self._buffers: StatBuffers | None = None
         self._args: tuple[torch.Tensor, ...] = ()
         self._host: dict[str, HostCopy] = {}
         self._num_batches = 0
 
+    @staticmethod
+    def _check_unique(modules: list[nn.Module]) -> dict[nn.Module, int]:
+        slots: dict[nn.Module, int] = {}
+        for i, m in enumerate(modules):
+            if m in slots:
+                raise ValueError(f"modules[{i}] repeats modules[{slots[m]}]")
+            slots[m] = i
+        return slots
+
     def on_train_begin(self, **kwargs: Any) -> None:
-        """Register the hooks and start fresh statistics."""
-        super().on_train_begin(**kwargs)
-        assert self.modules is not None
-        self._slots = {}
-        for i, m in enumerate(self.modules):
-            if m in self._slots:
-                raise ValueError(f"modules[{i}] repeats modules[{self._slots[m]}]")
-            self._slots[m] = i
+        """Start fresh statistics and register the hooks (everything is checked first)."""
+        modules = self.resolve_modules()
+        slots = self._check_unique(modules)
         device = next(self.model.parameters(), torch.empty(0)).device
-        self._buffers = StatBuffers(
-            len(self.modules), self.expected_batches, device, bool(self.extra_names), self.hist_bins
+        # A model on the meta device computes nothing to record; its statistics read NaN.
+        device = torch.device("cpu") if device.type == "meta" else device
+        buffers = StatBuffers(
+            len(modules), self.expected_batches, device, bool(self.extra_names), self.hist_bins
         )
-        self._args = self._buffers.op_args()
+        super().on_train_begin(**kwargs)
+        self._slots, self._buffers, self._args = slots, buffers, buffers.op_args()
+        self._names = {m: name for name, m in self.model.named_modules() if name}
+        self._warned = set()
         self._host = {
             "stats": HostCopy(2, torch.float32),
             "extra": HostCopy(2, torch.float32),
@@ -153,14 +174,18 @@ class ActivationStats(HookCallback):
     detach = False
 
     def hook(self, m: nn.Module, i: Any, o: Any) -> None:
-        if not m.training:
+        # The model's mode, not the module's: a frozen layer of a training model is recorded.
+        if not self.model.training:
             return
-        x = o if type(o) is torch.Tensor else first_tensor(o)
+        try:
+            self._record(m, o if type(o) is torch.Tensor else measured_tensor(o)[0], o)
+        except _MEASURE_ERRORS as error:
+            self._record_otherwise(m, o, error)
+
+    def _record(self, m: nn.Module, x: torch.Tensor | None, o: Any) -> None:
         if x is None:
-            raise TypeError(
-                f"ActivationStats needs a tensor output from {type(m).__name__}, "
-                f"got {type(o).__name__}"
-            )
+            self._skip(m, measured_tensor(o)[1])
+            return
         self._accumulate(
             x.detach(),
             *self._args,
@@ -170,10 +195,55 @@ class ActivationStats(HookCallback):
             self.hist_max,
         )
 
+    def _record_otherwise(self, m: nn.Module, o: Any, error: Exception) -> None:
+        """After the operator refused an output: measure what can be measured, else say why."""
+        x, why = measured_tensor(o)
+        if x is None:
+            self._skip(m, why)
+            return
+        if x is not o:  # an integer or bool output, now as float
+            try:
+                self._record(m, x, o)
+                return
+            except _MEASURE_ERRORS as again:
+                error = again
+        raise StatisticsError(
+            f"ActivationStats could not record {self._name(m)}: {type(error).__name__}: {error}"
+        ) from error
+
+    def _skip(self, m: nn.Module, why: str) -> None:
+        if m not in self._warned:
+            self._warned.add(m)
+            warnings.warn(
+                f"ActivationStats: {self._name(m)} returned {why}, which has no statistics; "
+                "it reads NaN for those batches",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _name(self, m: nn.Module) -> str:
+        return f"{self._names.get(m, 'the model')} ({type(m).__name__})"
+
+    def on_train_end(self, **kwargs: Any) -> None:
+        """Remove the hooks when `do_remove`; warn when statistics were never closed in a batch."""
+        super().on_train_end(**kwargs)
+        if self._buffers is not None and self._num_batches == 0:
+            column = self._buffers.state[COUNT].index_select(1, self._buffers.cursor.reshape(1))
+            if bool(column.any()):
+                warnings.warn(
+                    "ActivationStats: the hooks recorded statistics but no batch was closed, so "
+                    "act.stats is empty: call act.on_batch_end() after each training step",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
     def on_batch_end(self, train: bool = True, **kwargs: Any) -> None:
         """Close the batch: a training batch gets its column, any other is forgotten."""
         if self._buffers is None:
-            raise RuntimeError("on_batch_end() called before on_train_begin()")
+            raise RuntimeError(
+                "on_batch_end() called before the hooks were registered: run the training loop "
+                "inside `with act:` (or call act.on_train_begin() first)"
+            )
         if not train:
             self._buffers.clear_column()
             return

@@ -165,30 +165,13 @@ def test_auto_prefers_fused_when_built():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="expected_batches must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="expected_batches must be an int >= 1, got 0"):
         ActivationStats(nn.Linear(2, 2), expected_batches=0)
     lin = nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"modules\[1\] repeats modules\[0\]"):
-        ActivationStats(lin, modules=[lin, lin]).on_train_begin()
-    with pytest.raises(RuntimeError, match=r"on_batch_end\(\) called before on_train_begin\(\)"):
+        ActivationStats(lin, modules=[lin, lin])
+    with pytest.raises(RuntimeError, match=r"on_batch_end\(\) called before the hooks were"):
         ActivationStats(lin).on_batch_end()
-
-
-def test_non_tensor_output_is_named():
-    class Words(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.ones(1))
-
-        def forward(self, x):
-            return "not a tensor"
-
-    words = Words()
-    with (
-        pytest.raises(TypeError, match="needs a tensor output from Words, got str"),
-        ActivationStats(words, backend="python"),
-    ):
-        words(torch.ones(1))
 
 
 def test_stats_before_training_is_empty():

@@ -63,6 +63,7 @@ def test_compiled_model_records_same_stats_without_recompiling(backend, compiler
 
 
 @FUSED
+@pytest.mark.filterwarnings("ignore:ActivationStats. the hooks recorded:RuntimeWarning")
 def test_compiled_graph_calls_the_fused_operator():
     torch._dynamo.reset()
     graphs = []
