@@ -13,18 +13,22 @@ PIP_QUIET := -q --disable-pip-version-check
 PIP_FILTER := { grep -v "is neither a file nor a directory" || true; }
 CUDA_ARCHS ?= 8.0;9.0
 
-.PHONY: setup build demo test test-cpu test-cuda-build lint bench bench-train bench-quick clean
+.PHONY: setup build install demo test test-cpu test-cuda-build lint bench bench-train bench-quick clean
 
 $(VENV)/.ready: Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) numpy scikit-learn matplotlib tqdm \
-		pytest ruff clang-format ninja setuptools wheel 2>&1 | $(PIP_FILTER)
+		pytest hypothesis ruff clang-format ninja setuptools wheel 2>&1 | $(PIP_FILTER)
 	touch $@
 
 setup: $(VENV)/.ready
 
 build: $(VENV)/.ready
 	$(VENV)/bin/python setup.py -q build_ext --inplace
+
+# An editable install into .venv, so that `.venv/bin/python your_script.py` imports fasthooks.
+install: build
+	$(VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps -e . 2>&1 | $(PIP_FILTER)
 
 demo: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python examples/demo.py --out results/demo
@@ -39,7 +43,8 @@ test-cpu: build
 
 $(CUDA_VENV)/.ready: Makefile
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
-	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) numpy pytest ninja setuptools wheel \
+	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) numpy pytest hypothesis ninja \
+		setuptools wheel \
 		2>&1 | $(PIP_FILTER)
 	touch $@
 

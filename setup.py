@@ -5,9 +5,10 @@ toolkit is found (no visible GPU needed). Switches, read from the environment:
   FASTHOOKS_NO_EXT=1   install the pure-Python package only
   FASTHOOKS_NO_CUDA=1  skip the CUDA kernels
   FORCE_CUDA=1         build the CUDA kernels or fail saying why
-  TORCH_CUDA_ARCH_LIST the GPU architectures to compile for (torch's own switch)
+  TORCH_CUDA_ARCH_LIST the GPU architectures to compile for (torch's own switch); when it is
+                       unset and no GPU is visible, DEFAULT_CUDA_ARCHS
 Build without pip's build isolation (`pip install --no-build-isolation .`) so that the torch
-already installed is the one compiled against.
+already installed is the one compiled against; an isolated build stops at once saying so.
 """
 
 import os
@@ -21,6 +22,16 @@ ROOT = Path(__file__).parent
 VERSION = re.search(
     r'__version__ = "([^"]+)"', (ROOT / "fasthooks" / "_version.py").read_text()
 ).group(1)
+
+
+# Volta to Hopper, and PTX for later GPUs: the kernels need sm_70 (warp match instructions).
+DEFAULT_CUDA_ARCHS = "7.0;7.5;8.0;8.6;8.9;9.0+PTX"
+NO_TORCH = (
+    "fasthooks builds its extension against the torch installed in your environment, but this "
+    "build cannot import torch ({error}). pip builds in an isolated environment unless told "
+    "otherwise: run `pip install --no-build-isolation .` in the environment that has torch, or "
+    "`FASTHOOKS_NO_EXT=1 pip install .` for the pure-Python package."
+)
 
 
 def _flag(name: str) -> bool:
@@ -41,6 +52,8 @@ def _cuda_decision(torch_cuda: str | None, cuda_home: str | None) -> bool:
         if not ok
     ]
     if not missing:
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not _gpu_visible():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
         _say(
             f"building CUDA kernels (torch CUDA {torch_cuda}, toolkit at {cuda_home}, "
             f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', 'torch default')})"
@@ -50,6 +63,12 @@ def _cuda_decision(torch_cuda: str | None, cuda_home: str | None) -> bool:
         raise RuntimeError(f"FORCE_CUDA=1 but this environment lacks {' and '.join(missing)}")
     _say(f"CUDA kernels skipped: this environment lacks {' and '.join(missing)}")
     return False
+
+
+def _gpu_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _pip_cuda_include_dirs() -> list[str]:
@@ -66,8 +85,11 @@ def extension_build():
     if _flag("FASTHOOKS_NO_EXT"):
         _say("pure-Python install (FASTHOOKS_NO_EXT=1); ActivationStats uses backend='python'")
         return [], {}
-    import torch
-    from torch.utils import cpp_extension
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as error:
+        raise SystemExit(NO_TORCH.format(error=error)) from None
 
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
     # at::parallel_for is an OpenMP loop in torch's CPU builds: without -fopenmp it runs serially.

@@ -40,7 +40,7 @@ def histogram(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
         >>> histogram(torch.tensor([0.0, 0.5, 1.0, 2.0, float("nan")]), 2, 0.0, 1.0).tolist()
         [1, 2]
     """
-    values = x.reshape(-1).to(accumulation_dtype(x.dtype)).double()
+    values = x.reshape(-1).to(accumulation_dtype(x.dtype)).double().contiguous()
     edges = bin_edges(bins, lo, hi, x.device)
     index = torch.bucketize(values, edges, right=True) - 1
     index = torch.where(values == hi, bins - 1, index)

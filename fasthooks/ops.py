@@ -7,6 +7,7 @@ shown when the fused backend is asked for.
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -115,6 +116,24 @@ def _require_extension() -> None:
         )
 
 
+_warned_broken = False
+
+
+def _warn_broken_extension() -> None:
+    """Once: an extension that is there but does not load (built for another torch, say)."""
+    global _warned_broken
+    if _warned_broken or (_LOAD_ERROR or "").startswith("ModuleNotFoundError"):
+        return
+    _warned_broken = True
+    warnings.warn(
+        f"fasthooks._C is installed but did not load ({_LOAD_ERROR}); ActivationStats uses the "
+        f"python backend, which gives the same numbers more slowly. To use the fused backend, "
+        f"{BUILD_HINT}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 def resolve_backend(backend: str) -> tuple[str, Accumulate]:
     """The backend name in use and its accumulate function for `backend` in BACKENDS.
 
@@ -124,6 +143,8 @@ def resolve_backend(backend: str) -> tuple[str, Accumulate]:
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto" and _LOAD_ERROR is not None:
+        _warn_broken_extension()
     if backend == "python" or (backend == "auto" and _LOAD_ERROR is not None):
         return "python", accumulate_stats_python
     _require_extension()

@@ -337,3 +337,30 @@ def test_fused_matches_the_python_reference(dtype, device, full, bins):
         results[backend] = [t.cpu() for t in b.op_args()[:4]]
     for fused, python in zip(results["fused"], results["python"], strict=True):
         torch.testing.assert_close(fused, python, rtol=1e-6, atol=1e-9, equal_nan=True)
+
+
+EXTREMES = {
+    "float32 near its maximum": lambda g: (torch.rand(100_000, generator=g) * 2 - 1) * 3e38,
+    "float32 at its maximum": lambda g: torch.full((70_000,), 3.3e38),
+    "float16 near 65504": lambda g: (torch.rand(70_000, generator=g) * 2 - 1).mul(65000).half(),
+}
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["mean_std", "every_stat"])
+@pytest.mark.parametrize("backend", ["fused", "python"])
+@pytest.mark.parametrize("case", EXTREMES)
+def test_values_near_the_largest_finite_stay_finite(backend, case, full):
+    x = EXTREMES[case](torch.Generator().manual_seed(8))
+    count, mean, std = _moments(x, backend, full=full)
+    ref_mean, ref_std = reference_moments(x)
+    assert count == x.numel() and math.isfinite(mean) and math.isfinite(std)
+    _assert_within_bounds(mean, std, ref_mean, ref_std, rel_std=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["fused", "python"])
+def test_hundred_million_elements(backend):
+    x = torch.randn(100_000_000, generator=torch.Generator().manual_seed(9)) + 3
+    count, mean, std = _moments(x, backend)
+    assert count == x.numel()
+    _assert_within_bounds(mean, std, *reference_moments(x), rel_std=1e-6)

@@ -1,7 +1,9 @@
 """Bad inputs and faults: each row of docs/robustness.md, on both backends."""
 
 import dataclasses
+import gc
 import math
+import os
 import re
 import threading
 from collections import OrderedDict, namedtuple
@@ -13,6 +15,7 @@ from conftest import BACKENDS, reference_moments
 from torch import nn
 
 from fasthooks import ActivationStats, StatisticsError
+from fasthooks.layout import EXTRAS
 
 Pair = namedtuple("Pair", ["indices", "values"])
 
@@ -230,3 +233,29 @@ def test_two_models_in_two_threads(backend):
         t.join()
     assert results[1].shape == results[5].shape == (2, 2, 20)
     assert results[5][1, 0].mean() > 3 * results[1][1, 0].mean()  # each its own statistics
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_memory_stays_flat_over_ten_thousand_batches(backend):
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+    x = torch.randn(16, 32)
+    act = ActivationStats(
+        model, backend=backend, expected_batches=10_001, extra=EXTRAS, hist_bins=8
+    )
+    with act:  # the buffers for every batch are allocated (and zero-filled) here
+        for batch in range(10_000):
+            if batch == 1_000:
+                gc.collect()
+                start = _resident_bytes()
+            model(x).sum().backward()
+            act.on_batch_end()
+        gc.collect()
+        grown = _resident_bytes() - start
+    assert act.num_batches == 10_000 and not torch.isnan(act.stats).any()
+    assert grown < 2 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"

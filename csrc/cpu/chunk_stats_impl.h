@@ -203,6 +203,23 @@ inline void count_nonfinite(const Acc* p, int64_t n, Stats& s) {
   if (nan) s.min = s.max = NAN;
 }
 
+// Two passes in double over finite values whose float sums overflowed.
+template <bool Full, typename Acc>
+inline void moments_in_double(const Acc* p, int64_t n, Stats& b) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum += p[i];
+  const double mean = sum / static_cast<double>(n);
+  double s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = p[i] - mean;
+    s1 += d;
+    s2 += d * d;
+    s3 += d * d * d;
+    s4 += d * d * d * d;
+  }
+  moments_from_shifted_sums<Full>(b, static_cast<double>(n), mean, s1, s2, s3, s4);
+}
+
 // Statistics of one block, summed around `shift`, then once more around the block's own mean
 // when `shift` proved far from it: float sums around a distant shift lose the spread.
 // With a histogram, the block's bins are counted into `rows` too.
@@ -225,8 +242,19 @@ inline Stats block_stats(const Acc* p, int64_t n, Acc shift, Acc near_zero,
     b.min = s.min;
     b.max = s.max;
     b.near_zero = static_cast<double>(s.near_zero);
-    // Finite sums prove every value finite; otherwise look for NaN and infinities.
-    if (!std::isfinite(s.s1 + s.s2 + s.s3 + s.s4)) count_nonfinite(p, n, b);
+  }
+  // Finite sums prove every value finite. Otherwise look for NaN and infinities; where there are
+  // none, the sums overflowed the working precision (values near the float32 maximum) and are
+  // taken again in double.
+  if (!std::isfinite(s.s1 + s.s2 + s.s3 + s.s4)) {
+    Stats found;
+    count_nonfinite(p, n, found);
+    if (found.nonfinite == 0) {
+      moments_in_double<Full>(p, n, b);
+    } else if constexpr (Full) {
+      b.nonfinite = found.nonfinite;
+      if (found.min != found.min) b.min = b.max = NAN;
+    }
   }
   return b;
 }
