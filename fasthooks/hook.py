@@ -208,6 +208,8 @@ class HookCallback:
         self, model: Any, modules: Iterable[nn.Module] | None = None, do_remove: bool = True
     ) -> None:
         self.model = _resolve_model(model)
+        if not isinstance(do_remove, bool):
+            raise TypeError(f"do_remove must be a bool, got {type(do_remove).__name__}")
         self.modules: list[nn.Module] | None = None
         if isinstance(modules, nn.Module) and not hasattr(type(modules), "__iter__"):
             modules = [modules]  # one module; a Sequential or ModuleList stands for its children

@@ -181,6 +181,8 @@ def test_a_single_module_and_numpy_integers_are_accepted(backend):
         ActivationStats(lin, expected_batches=True)
     with pytest.raises(TypeError, match="expected_batches must be an int, got float"):
         ActivationStats(lin, expected_batches=3.0)
+    with pytest.raises(TypeError, match="do_remove must be a bool, got str"):
+        ActivationStats(lin, do_remove="yes")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
