@@ -29,14 +29,19 @@ except RuntimeError as error:
 """
 
 
-def test_import_without_extension_falls_back_to_python():
-    out = subprocess.run(
-        [sys.executable, "-c", WITHOUT_EXTENSION],
+def _python(script: str) -> subprocess.CompletedProcess:
+    """Runs `script` in a child Python that imports this same fasthooks build."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
         capture_output=True,
         text=True,
         check=True,
         env=subprocess_env(),
     )
+
+
+def test_import_without_extension_falls_back_to_python():
+    out = _python(WITHOUT_EXTENSION)
     error, backend, refusal = out.stdout.splitlines()
     assert error.startswith("ModuleNotFoundError:") and "fasthooks._C" in error
     assert backend == "python (2, 1, 1)"
@@ -92,13 +97,7 @@ except RuntimeError as error:
 
 
 def test_an_extension_that_fails_to_load_warns_once_and_falls_back():
-    out = subprocess.run(
-        [sys.executable, "-c", BROKEN_EXTENSION],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=subprocess_env(),
-    )
+    out = _python(BROKEN_EXTENSION)
     counts, warning, refusal = out.stdout.splitlines()
     assert counts == "['python', 'python'] 1"
     assert "fasthooks._C is installed but did not load (ImportError: _C.so: undefined" in warning
