@@ -11,7 +11,7 @@ from collections import OrderedDict, namedtuple
 import numpy as np
 import pytest
 import torch
-from conftest import BACKENDS, reference_moments
+from conftest import BACKENDS, DEVICES, reference_moments
 from torch import nn
 
 from fasthooks import ActivationStats, StatisticsError
@@ -42,10 +42,11 @@ class Emit(nn.Module):
         return self.make(x * self.scale)
 
 
-def _record(model, backend, batches=2, **kwargs):
+def _record(model, backend, batches=2, device="cpu", **kwargs):
+    model.to(device)
     with ActivationStats(model, backend=backend, **kwargs) as act:
         for b in range(batches):
-            model(torch.randn(4, 6) + b)
+            model(torch.randn(4, 6, device=device) + b)
             act.on_batch_end()
     return act
 
@@ -59,12 +60,13 @@ MEASURED = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", MEASURED)
-def test_first_floating_tensor_of_any_container_is_measured(backend, kind):
+def test_first_floating_tensor_of_any_container_is_measured(backend, kind, device):
     seen = []
     model = nn.Sequential(Emit(lambda x: (seen.append(x.detach()), MEASURED[kind](x))[1]))
-    act = _record(model, backend, batches=1)
+    act = _record(model, backend, batches=1, device=device)
     want = torch.tensor(reference_moments(seen[0]), dtype=torch.float64)
     torch.testing.assert_close(act.stats[:, 0, 0].double(), want, rtol=1e-6, atol=1e-7)
 
@@ -79,11 +81,12 @@ def test_max_pool_with_indices_records_its_values(backend):
     torch.testing.assert_close(act.stats[0, 0, 0].item(), values.mean().item())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
-def test_integer_and_bool_outputs_are_measured_as_float(backend, dtype):
+def test_integer_and_bool_outputs_are_measured_as_float(backend, dtype, device):
     model = nn.Sequential(Emit(lambda x: (x > 0).to(dtype) if dtype == torch.bool else x.long()))
-    act = _record(model, backend, batches=1, extra=["max"])
+    act = _record(model, backend, batches=1, device=device, extra=["max"])
     assert not math.isnan(act.stats[0, 0, 0].item())
     assert act.extra["max"][0, 0].item() >= 0
 
@@ -101,14 +104,17 @@ UNMEASURABLE = {
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated:UserWarning")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", UNMEASURABLE)
-def test_unmeasurable_outputs_read_nan_with_one_warning_naming_the_module(backend, kind):
+def test_unmeasurable_outputs_read_nan_with_one_warning_naming_the_module(backend, kind, device):
+    if kind == "quantized" and device == "cuda":
+        pytest.skip("quantized tensors are made on the CPU")
     make, what = UNMEASURABLE[kind]
     model = nn.Sequential(nn.Linear(6, 6), Emit(make))
     warning = rf"1 \(Emit\) returned .*{re.escape(what)}"
     with pytest.warns(RuntimeWarning, match=warning) as caught:
-        act = _record(model, backend, batches=3, extra=["nonfinite"], hist_bins=4)
+        act = _record(model, backend, batches=3, device=device, extra=["nonfinite"], hist_bins=4)
     assert sum("returned" in str(w.message) for w in caught) == 1  # once per module
     assert act.num_batches == 3
     assert torch.isnan(act.stats[:, 1]).all() and not torch.isnan(act.stats[0, 0]).any()
@@ -138,15 +144,16 @@ def test_errors_are_one_type_and_name_the_module(backend):
             model(torch.randn(3, 6))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_frozen_layer_of_a_training_model_is_recorded(backend):
+def test_a_frozen_layer_of_a_training_model_is_recorded(backend, device):
     model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
     model[1].eval()  # frozen statistics while the rest trains
-    act = _record(model, backend)
+    act = _record(model, backend, device=device)
     assert not torch.isnan(act.stats).any()
     model.eval()
     with act:
-        model(torch.randn(4, 6))
+        model(torch.randn(4, 6, device=device))
         act.on_batch_end()
     assert torch.isnan(act.stats).all()  # an evaluating model records nothing
 
