@@ -122,7 +122,7 @@ setup(
     packages=find_packages(include=["fasthooks", "fasthooks.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
-    extras_require={"demo": ["matplotlib", "scikit-learn", "tqdm"]},
+    extras_require={"demo": ["matplotlib", "scikit-learn", "tqdm"], "pandas": ["pandas"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -116,9 +116,11 @@ class ActivationStats(HookCallback):
         near_zero: float = 0.05,
         hist_bins: int = 0,
         hist_range: tuple[float, float] = (0.0, 10.0),
+        every: int = 1,
     ) -> None:
         super().__init__(model, modules, do_remove)
         expected_batches = _count(expected_batches, "expected_batches", 1)
+        self.every = _count(every, "every", 1)
         if isinstance(near_zero, bool) or not isinstance(near_zero, numbers.Real):
             raise TypeError(f"near_zero must be a number, got {type(near_zero).__name__}")
         if math.isnan(near_zero):
@@ -137,6 +139,12 @@ class ActivationStats(HookCallback):
         self._args: tuple[torch.Tensor, ...] = ()
         self._host: dict[str, HostCopy] = {}
         self._num_batches = 0
+        self._start_sampling()
+
+    def _start_sampling(self) -> None:
+        self._seen = 0  # training batches closed so far
+        self._sampled = True  # whether the current training batch is recorded
+        self._batch_ids: list[int] = []
 
     @staticmethod
     def _check_unique(modules: list[nn.Module]) -> dict[nn.Module, int]:
@@ -168,14 +176,16 @@ class ActivationStats(HookCallback):
             "hist": HostCopy(1, torch.int64),
         }
         self._num_batches = 0
+        self._start_sampling()
 
     # Runs on every hooked module of every batch: detaching only the tensor it reads is cheaper
     # than the generic detach of inputs and outputs.
     detach = False
 
     def hook(self, m: nn.Module, i: Any, o: Any) -> None:
-        # The model's mode, not the module's: a frozen layer of a training model is recorded.
-        if not self.model.training:
+        # A batch left out by `every` costs this one check. Then the model's mode, not the
+        # module's: a frozen layer of a training model is recorded.
+        if not self._sampled or not self.model.training:
             return
         try:
             self._record(m, o if type(o) is torch.Tensor else measured_tensor(o)[0], o)
@@ -247,16 +257,76 @@ class ActivationStats(HookCallback):
         if not train:
             self._buffers.clear_column()
             return
-        self._num_batches += 1
-        if self._num_batches == self._buffers.capacity:
-            self._buffers.grow()
-            self._args = self._buffers.op_args()
-        self._buffers.cursor.add_(1)
+        if self._sampled:
+            self._batch_ids.append(self._seen)
+            self._num_batches += 1
+            if self._num_batches == self._buffers.capacity:
+                self._buffers.grow()
+                self._args = self._buffers.op_args()
+            self._buffers.cursor.add_(1)
+        self._seen += 1
+        self._sampled = self._seen % self.every == 0
 
     @property
     def num_batches(self) -> int:
         """How many training batches have been recorded."""
         return self._num_batches
+
+    @property
+    def batches(self) -> torch.Tensor:
+        """int64 `(batches,)`: for each column, the 0-based index of its training batch."""
+        return torch.tensor(self._batch_ids, dtype=torch.int64)
+
+    @property
+    def module_names(self) -> list[str]:
+        """Qualified names of the hooked modules (`"layer1.0.conv1"`), in column order; the
+        model itself is named by its class."""
+        names = {m: name for name, m in self.model.named_modules() if name}
+        return [names.get(m, type(m).__name__) for m in self.modules or ()]
+
+    def layer_stats(self, module: int | str) -> dict[str, torch.Tensor]:
+        """Every recorded statistic of one module, by column index or qualified name:
+        `(batches,)` CPU tensors "mean", "std" and each extra.
+
+        Example:
+            >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+            >>> with ActivationStats(model, backend="python", extra=["max"]) as act:
+            ...     _ = model(torch.randn(8, 4))
+            ...     act.on_batch_end()
+            >>> sorted(act.layer_stats("2"))
+            ['max', 'mean', 'std']
+        """
+        names = self.module_names
+        if isinstance(module, str):
+            if module not in names:
+                raise KeyError(f"module {module!r} is not hooked; hooked modules: {names}")
+            index = names.index(module)
+        else:
+            index = _count(module, "module", -len(names))
+            if index >= len(names):
+                raise IndexError(f"module index {index} out of range for {len(names)} modules")
+        stats = self.stats
+        return {
+            "mean": stats[0, index],
+            "std": stats[1, index],
+            **{name: values[index] for name, values in self.extra.items()},
+        }
+
+    def to_dataframe(self) -> Any:
+        """Every recorded statistic as a pandas DataFrame in long format: columns `batch`,
+        `module`, `stat`, `value` (needs pandas: `pip install pandas`)."""
+        from .export import long_table
+
+        return long_table(self)
+
+    def __repr__(self) -> str:
+        statistics = ["mean", "std", *self.extra_names] + (
+            [f"hist({self.hist_bins})"] if self.hist_bins else []
+        )
+        return (
+            f"ActivationStats(backend={self.backend!r}, modules={len(self.modules or ())}, "
+            f"batches={self._num_batches}, statistics={statistics}, every={self.every})"
+        )
 
     def _read(self, name: str, source: torch.Tensor) -> torch.Tensor:
         """The recorded columns of a buffer on the CPU: a view there, else new columns copied."""

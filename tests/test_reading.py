@@ -1,0 +1,113 @@
+"""Reading recorded statistics: module names, one layer, sampling, pandas, repr."""
+
+import pytest
+import torch
+from conftest import BACKENDS
+from torch import nn
+
+from fasthooks import ActivationStats, hook_outputs
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Linear(6, 6)
+        self.conv2 = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.conv2(self.conv1(x).relu())
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), nn.Sequential(Block(), Block()), nn.Linear(6, 2))
+
+
+def test_module_names_are_qualified_and_in_column_order():
+    model = _model()
+    act = ActivationStats(model, backend="python")
+    act.on_train_begin()
+    assert act.module_names == ["0", "1.0.conv1", "1.0.conv2", "1.1.conv1", "1.1.conv2", "2"]
+    act.on_train_end()
+    lin = nn.Linear(2, 2)
+    assert ActivationStats(lin, modules=[lin]).module_names == ["Linear"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_stats_by_index_or_name(backend):
+    model = _model()
+    with ActivationStats(model, backend=backend, extra=["max", "nonfinite"]) as act:
+        for _ in range(3):
+            model(torch.randn(5, 6))
+            act.on_batch_end()
+    by_name, by_index = act.layer_stats("1.0.conv2"), act.layer_stats(2)
+    assert sorted(by_name) == ["max", "mean", "nonfinite", "std"]
+    for stat, values in by_name.items():
+        assert values.shape == (3,) and torch.equal(values, by_index[stat])
+    assert torch.equal(by_name["mean"], act.stats[0, 2])
+    assert torch.equal(act.layer_stats(-1)["std"], act.stats[1, 5])
+    with pytest.raises(KeyError, match=r"module '1.0' is not hooked; hooked modules: \['0'"):
+        act.layer_stats("1.0")
+    with pytest.raises(IndexError, match="module index 6 out of range for 6 modules"):
+        act.layer_stats(6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_records_every_nth_training_batch(backend):
+    model = _model()
+    act = ActivationStats(model, backend=backend, every=3, extra=["min"], hist_bins=4)
+    seen = []
+    with act, hook_outputs([model[0]]) as outputs:
+        for b in range(8):
+            model(torch.randn(5, 6) * (b + 1))
+            seen.append(outputs.stored[0])
+            act.on_batch_end()
+            if b == 4:  # a validation batch does not count as a training batch
+                model(torch.randn(5, 6) * 100)
+                act.on_batch_end(train=False)
+    assert act.batches.tolist() == [0, 3, 6] and act.batches.dtype == torch.int64
+    assert act.stats.shape == (2, 6, 3) and act.hist.shape == (6, 3, 4)
+    for column, batch in enumerate((0, 3, 6)):
+        assert act.stats[0, 0, column].item() == pytest.approx(seen[batch].mean().item())
+        assert act.extra["min"][0, column].item() == seen[batch].min().item()
+    with pytest.raises(ValueError, match="every must be an int >= 1, got 0"):
+        ActivationStats(model, every=0)
+
+
+def test_to_dataframe_is_long_format():
+    pd = pytest.importorskip("pandas")
+    model = _model()
+    with ActivationStats(model, backend="python", extra=["near_zero"], every=2) as act:
+        for _ in range(4):
+            model(torch.randn(5, 6))
+            act.on_batch_end()
+    frame = act.to_dataframe()
+    assert isinstance(frame, pd.DataFrame)
+    assert list(frame.columns) == ["batch", "module", "stat", "value"]
+    assert len(frame) == 3 * 6 * 2  # statistics x modules x recorded batches
+    assert sorted(frame["batch"].unique()) == [0, 2]
+    row = frame[(frame.module == "1.1.conv1") & (frame.stat == "std") & (frame.batch == 2)]
+    assert row.value.item() == pytest.approx(act.layer_stats("1.1.conv1")["std"][1].item())
+
+
+def test_to_dataframe_without_pandas_names_what_to_install(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pandas(name, *args, **kwargs):
+        if name == "pandas":
+            raise ImportError("No module named 'pandas'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pandas)
+    with pytest.raises(ImportError, match="to_dataframe needs pandas: `pip install pandas`"):
+        ActivationStats(nn.Linear(2, 2), backend="python").to_dataframe()
+
+
+def test_repr_says_what_is_recorded():
+    act = ActivationStats(_model(), backend="python", extra=["max"], hist_bins=8, every=2)
+    assert repr(act) == (
+        "ActivationStats(backend='python', modules=0, batches=0, "
+        "statistics=['mean', 'std', 'max', 'hist(8)'], every=2)"
+    )
