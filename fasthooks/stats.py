@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import checkpoint
 from .buffers import HostCopy, StatBuffers
 from .hook import HookCallback
 from .layout import COUNT, EXTRA_PLANES, EXTRAS, MAX_HIST_BINS
@@ -139,6 +140,7 @@ class ActivationStats(HookCallback):
         self._args: tuple[torch.Tensor, ...] = ()
         self._host: dict[str, HostCopy] = {}
         self._num_batches = 0
+        self._resume: dict[str, Any] | None = None
         self._start_sampling()
 
     def _start_sampling(self) -> None:
@@ -162,9 +164,16 @@ class ActivationStats(HookCallback):
         device = next(self.model.parameters(), torch.empty(0)).device
         # A model on the meta device computes nothing to record; its statistics read NaN.
         device = torch.device("cpu") if device.type == "meta" else device
+        resume, self._resume = self._resume, None
+        capacity = self.expected_batches
+        if resume is not None:
+            checkpoint.check(self, resume)
+            capacity = max(capacity, resume["num_batches"] + 1)
         buffers = StatBuffers(
-            len(modules), self.expected_batches, device, bool(self.extra_names), self.hist_bins
+            len(modules), capacity, device, bool(self.extra_names), self.hist_bins
         )
+        if resume is not None:
+            checkpoint.restore(resume, buffers)
         super().on_train_begin(**kwargs)
         self._slots, self._buffers, self._args = slots, buffers, buffers.op_args()
         self._names = {m: name for name, m in self.model.named_modules() if name}
@@ -177,6 +186,35 @@ class ActivationStats(HookCallback):
         }
         self._num_batches = 0
         self._start_sampling()
+        if resume is not None:
+            self._num_batches, self._seen = resume["num_batches"], resume["seen"]
+            self._batch_ids = resume["batches"].tolist()
+            self._sampled = self._seen % self.every == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The recorded statistics and sampling position, to save with a training checkpoint:
+        CPU tensors and plain values only (`torch.load(..., weights_only=True)` reads it)."""
+        return checkpoint.state_dict(self, self._buffers)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the columns of a saved run at the next `on_train_begin` (the next `with act:`);
+        a state from another model, or with other statistics, is refused.
+
+        Example:
+            >>> model = nn.Sequential(nn.Linear(4, 4))
+            >>> with ActivationStats(model, backend="python") as act:
+            ...     _ = model(torch.randn(2, 4))
+            ...     act.on_batch_end()
+            >>> resumed = ActivationStats(model, backend="python")
+            >>> resumed.load_state_dict(act.state_dict())
+            >>> with resumed:
+            ...     _ = model(torch.randn(2, 4))
+            ...     resumed.on_batch_end()
+            >>> resumed.num_batches, resumed.batches.tolist()
+            (2, [0, 1])
+        """
+        checkpoint.check(self, state)
+        self._resume = state
 
     # Runs on every hooked module of every batch: detaching only the tensor it reads is cheaper
     # than the generic detach of inputs and outputs.
@@ -282,7 +320,7 @@ class ActivationStats(HookCallback):
         """Qualified names of the hooked modules (`"layer1.0.conv1"`), in column order; the
         model itself is named by its class."""
         names = {m: name for name, m in self.model.named_modules() if name}
-        return [names.get(m, type(m).__name__) for m in self.modules or ()]
+        return [names.get(m, type(m).__name__) for m in self.resolve_modules()]
 
     def layer_stats(self, module: int | str) -> dict[str, torch.Tensor]:
         """Every recorded statistic of one module, by column index or qualified name:

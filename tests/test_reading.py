@@ -6,6 +6,7 @@ from conftest import BACKENDS
 from torch import nn
 
 from fasthooks import ActivationStats, hook_outputs
+from fasthooks.layout import EXTRAS
 
 
 class Block(nn.Module):
@@ -111,3 +112,44 @@ def test_repr_says_what_is_recorded():
         "ActivationStats(backend='python', modules=0, batches=0, "
         "statistics=['mean', 'std', 'max', 'hist(8)'], every=2)"
     )
+
+
+def _run(act, model, batches):
+    with act:
+        for x in batches:
+            model(x)
+            act.on_batch_end()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_resumed_run_continues_its_columns(backend, tmp_path):
+    batches = [torch.randn(5, 6) * (b + 1) for b in range(7)]
+    options = {"backend": backend, "extra": EXTRAS, "hist_bins": 5, "every": 2}
+    model = _model()
+    whole = ActivationStats(model, expected_batches=2, **options)
+    _run(whole, model, batches)
+    first = ActivationStats(model, expected_batches=2, **options)
+    _run(first, model, batches[:3])
+    torch.save(first.state_dict(), tmp_path / "act.pt")
+    resumed = ActivationStats(model, expected_batches=2, **options)
+    resumed.load_state_dict(torch.load(tmp_path / "act.pt", weights_only=True))
+    _run(resumed, model, batches[3:])
+    assert resumed.batches.tolist() == whole.batches.tolist() == [0, 2, 4, 6]
+    torch.testing.assert_close(resumed.stats, whole.stats, rtol=0, atol=0)
+    for name in EXTRAS:
+        torch.testing.assert_close(resumed.extra[name], whole.extra[name], rtol=0, atol=0)
+    assert torch.equal(resumed.hist, whole.hist)
+
+
+def test_a_state_from_another_run_is_refused():
+    model = _model()
+    act = ActivationStats(model, backend="python", hist_bins=5)
+    _run(act, model, [torch.randn(5, 6)])
+    state = act.state_dict()
+    other = ActivationStats(nn.Sequential(nn.Linear(6, 2)), backend="python", hist_bins=5)
+    with pytest.raises(ValueError, match=r"saved module_names \['0', '1.0.conv1'.* does not match"):
+        other.load_state_dict(state)
+    with pytest.raises(
+        ValueError, match="saved hist_bins 5 does not match this ActivationStats' 0"
+    ):
+        ActivationStats(model, backend="python").load_state_dict(state)
