@@ -187,7 +187,8 @@ class HookCallback:
     """Registers `self.hook(m, input, output)` on `modules` for the length of training.
 
     Subclasses define `hook`; it sees detached tensors unless the subclass sets
-    `detach = False`. The lifecycle keeps fastai v1's names (`on_train_begin`,
+    `detach = False`. With `is_forward=False` it is a full backward hook: `hook(m, grad_input,
+    grad_output)`. The lifecycle keeps fastai v1's names (`on_train_begin`,
     `on_batch_end`, `on_train_end`); in a plain loop use it as a context manager.
 
     Example:
@@ -205,11 +206,17 @@ class HookCallback:
     detach = True
 
     def __init__(
-        self, model: Any, modules: Iterable[nn.Module] | None = None, do_remove: bool = True
+        self,
+        model: Any,
+        modules: Iterable[nn.Module] | None = None,
+        do_remove: bool = True,
+        is_forward: bool = True,
     ) -> None:
         self.model = _resolve_model(model)
-        if not isinstance(do_remove, bool):
-            raise TypeError(f"do_remove must be a bool, got {type(do_remove).__name__}")
+        for name, flag in (("do_remove", do_remove), ("is_forward", is_forward)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        self.is_forward = is_forward
         self.modules: list[nn.Module] | None = None
         if isinstance(modules, nn.Module) and not hasattr(type(modules), "__iter__"):
             modules = [modules]  # one module; a Sequential or ModuleList stands for its children
@@ -222,6 +229,10 @@ class HookCallback:
     def hook(self, m: nn.Module, i: Any, o: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define hook(self, m, input, output)")
 
+    def registers_forward(self) -> bool:
+        """Forward hooks, or (with `is_forward=False`) full backward hooks seeing gradients."""
+        return self.is_forward
+
     def resolve_modules(self) -> list[nn.Module]:
         """The modules to hook, checked: those given, else every leaf module with parameters."""
         modules = self.modules if self.modules is not None else leaf_modules_with_params(self.model)
@@ -231,7 +242,9 @@ class HookCallback:
     def on_train_begin(self, **kwargs: Any) -> None:
         """Register the hooks (again, if an earlier run left some)."""
         self._remove_hooks()
-        self.hooks = Hooks(self.resolve_modules(), _weak_hook(self), detach=self.detach)
+        self.hooks = Hooks(
+            self.resolve_modules(), _weak_hook(self), self.registers_forward(), self.detach
+        )
         self._finalizer = weakref.finalize(self, self.hooks.remove)
 
     def on_batch_end(self, train: bool = True, **kwargs: Any) -> None:

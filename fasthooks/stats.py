@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
@@ -83,6 +84,11 @@ class ActivationStats(HookCallback):
     "kurtosis" (float32, m4 / m2**2 of the population central moments: 3.0 for a normal
     distribution; NaN with fewer than 2 elements or no spread).
 
+    With `is_forward=False` the statistics are those of each module's output gradient (its
+    first floating-point tensor), one column per training batch, from a hook on the output
+    tensor: an in-place op after the module (`nn.ReLU(inplace=True)`) is fine, and a batch
+    without a backward pass records nothing.
+
     `hist_bins > 0` adds `act.hist`, int64 `(modules, batches, hist_bins)`: exact counts of the
     elements in `hist_bins` equal bins over `hist_range`. As in `torch.histc`, the top edge is
     counted in the last bin and values outside the range, and NaN, in none.
@@ -118,8 +124,9 @@ class ActivationStats(HookCallback):
         hist_bins: int = 0,
         hist_range: tuple[float, float] = (0.0, 10.0),
         every: int = 1,
+        is_forward: bool = True,
     ) -> None:
-        super().__init__(model, modules, do_remove)
+        super().__init__(model, modules, do_remove, is_forward)
         expected_batches = _count(expected_batches, "expected_batches", 1)
         self.every = _count(every, "every", 1)
         if isinstance(near_zero, bool) or not isinstance(near_zero, numbers.Real):
@@ -225,10 +232,26 @@ class ActivationStats(HookCallback):
         # module's: a frozen layer of a training model is recorded.
         if not self._sampled or not self.model.training:
             return
+        x = o if type(o) is torch.Tensor else measured_tensor(o)[0]
+        if not self.is_forward:
+            # A hook on the output tensor sees its gradient even when an in-place op follows
+            # the module, where a full module backward hook fails.
+            if x is not None and x.requires_grad:
+                x.register_hook(functools.partial(self._record_gradient, m))
+            return
         try:
-            self._record(m, o if type(o) is torch.Tensor else measured_tensor(o)[0], o)
+            self._record(m, x, o)
         except _MEASURE_ERRORS as error:
             self._record_otherwise(m, o, error)
+
+    def registers_forward(self) -> bool:
+        return True  # gradients are reached through the outputs, see hook()
+
+    def _record_gradient(self, m: nn.Module, grad: torch.Tensor) -> None:
+        try:
+            self._record(m, grad, grad)
+        except _MEASURE_ERRORS as error:
+            self._record_otherwise(m, grad, error)
 
     def _record(self, m: nn.Module, x: torch.Tensor | None, o: Any) -> None:
         if x is None:

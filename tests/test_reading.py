@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import BACKENDS
+from conftest import BACKENDS, reference_stats
 from torch import nn
 
 from fasthooks import ActivationStats, hook_outputs
@@ -153,3 +153,31 @@ def test_a_state_from_another_run_is_refused():
         ValueError, match="saved hist_bins 5 does not match this ActivationStats' 0"
     ):
         ActivationStats(model, backend="python").load_state_dict(state)
+
+
+def _conv_net(inplace):
+    torch.manual_seed(1)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(inplace=inplace), nn.Conv2d(4, 2, 3), nn.Flatten()
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_statistics_with_an_in_place_relu(backend):
+    model, plain = _conv_net(inplace=True), _conv_net(inplace=False)
+    batches = [torch.randn(4, 3, 8, 8) * (b + 1) for b in range(3)]
+    act = ActivationStats(model, backend=backend, is_forward=False, extra=["max"], hist_bins=4)
+    seen = []
+    with act, hook_outputs([plain[0], plain[2]], grad=True) as grads:
+        for x in batches:
+            model(x).pow(2).mean().backward()
+            plain(x.clone().requires_grad_()).pow(2).mean().backward()
+            seen.append([g[0] for g in grads.stored])
+            act.on_batch_end()
+        model(batches[0])  # a batch without a backward pass records nothing
+        act.on_batch_end()
+    want = reference_stats(seen)
+    torch.testing.assert_close(act.stats[:, :, :3].double(), want, rtol=1e-5, atol=1e-9)
+    assert torch.isnan(act.stats[:, :, 3]).all()
+    for b in range(3):
+        assert act.extra["max"][1, b].item() == seen[b][1].max().item()
