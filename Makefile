@@ -18,7 +18,7 @@ CUDA_ARCHS ?= 8.0;9.0
 $(VENV)/.ready: Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) numpy scikit-learn matplotlib tqdm pandas \
-		pytest hypothesis ruff clang-format ninja setuptools wheel 2>&1 | $(PIP_FILTER)
+		tensorboard pytest hypothesis ruff clang-format ninja setuptools wheel 2>&1 | $(PIP_FILTER)
 	touch $@
 
 setup: $(VENV)/.ready

@@ -1,8 +1,11 @@
-"""Recorded statistics in other shapes for other tools (pandas imported only when asked for)."""
+"""Recorded statistics in other shapes for other tools: a pandas table and TensorBoard (neither is
+imported by fasthooks itself)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from .moments import bin_edges
 
 if TYPE_CHECKING:
     from .stats import ActivationStats
@@ -28,3 +31,41 @@ def long_table(act: ActivationStats) -> Any:
             columns["stat"] += [stat] * len(batches)
             columns["value"] += values[m].double().tolist()
     return pd.DataFrame(columns)
+
+
+def log_to_tensorboard(act: ActivationStats, writer: Any, step: int | None = None) -> None:
+    """Writes the newest recorded column of every statistic to a `SummaryWriter`, as scalars
+    tagged `activations/<module>/<stat>` (`gradients/...` for gradient statistics), and the
+    histograms where recorded; `step` defaults to that column's training batch."""
+    if act.num_batches == 0:
+        return
+    column = act.num_batches - 1
+    step = int(act.batches[column]) if step is None else step
+    kind = "activations" if act.is_forward else "gradients"
+    planes = {"mean": act.stats[0], "std": act.stats[1], **act.extra}
+    for m, name in enumerate(act.module_names):
+        for stat, values in planes.items():
+            writer.add_scalar(f"{kind}/{name}/{stat}", float(values[m, column]), step)
+        if act.hist_bins:
+            _add_histogram(writer, f"{kind}/{name}/hist", act, act.hist[m, column], step)
+
+
+def _add_histogram(writer: Any, tag: str, act: ActivationStats, counts: Any, step: int) -> None:
+    """One recorded histogram, its summary figures taken from the bins themselves."""
+    edges = bin_edges(act.hist_bins, act.hist_min, act.hist_max)
+    centers = (edges[:-1] + edges[1:]) / 2
+    counts = counts.double()
+    filled = counts.nonzero().flatten()
+    if filled.numel() == 0:
+        return
+    writer.add_histogram_raw(
+        tag,
+        min=float(edges[filled[0]]),
+        max=float(edges[filled[-1] + 1]),
+        num=int(counts.sum()),
+        sum=float((counts * centers).sum()),
+        sum_squares=float((counts * centers * centers).sum()),
+        bucket_limits=edges[1:].tolist(),
+        bucket_counts=counts.tolist(),
+        global_step=step,
+    )

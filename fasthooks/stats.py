@@ -380,6 +380,13 @@ class ActivationStats(HookCallback):
 
         return long_table(self)
 
+    def log_to_tensorboard(self, writer: Any, step: int | None = None) -> None:
+        """Write the newest recorded column of every statistic (and histogram) to the
+        `torch.utils.tensorboard.SummaryWriter` given, tagged with module names."""
+        from .export import log_to_tensorboard
+
+        log_to_tensorboard(self, writer, step)
+
     def __repr__(self) -> str:
         statistics = ["mean", "std", *self.extra_names] + (
             [f"hist({self.hist_bins})"] if self.hist_bins else []

@@ -181,3 +181,28 @@ def test_gradient_statistics_with_an_in_place_relu(backend):
     assert torch.isnan(act.stats[:, :, 3]).all()
     for b in range(3):
         assert act.extra["max"][1, b].item() == seen[b][1].max().item()
+
+
+def test_tensorboard_gets_the_newest_column_tagged_with_module_names(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    model = _model()
+    act = ActivationStats(model, backend="python", extra=["max"], hist_bins=8, hist_range=(-2, 2))
+    writer = SummaryWriter(tmp_path)
+    with act:
+        for _ in range(3):
+            model(torch.randn(5, 6))
+            act.on_batch_end()
+            act.log_to_tensorboard(writer)
+    writer.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0, "scalars": 0})
+    events.Reload()
+    assert "activations/1.0.conv2/max" in events.Tags()["scalars"]
+    means = events.Scalars("activations/1.0.conv2/mean")
+    assert [e.step for e in means] == [0, 1, 2]
+    assert means[-1].value == pytest.approx(act.stats[0, 2, 2].item())
+    hist = events.Histograms("activations/2/hist")[-1].histogram_value
+    assert hist.num == act.hist[5, 2].sum().item()
+    assert list(hist.bucket) == act.hist[5, 2].double().tolist()
