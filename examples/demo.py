@@ -124,8 +124,16 @@ def main() -> None:
     )
     print(stats_table(names, act))
     args.out.mkdir(parents=True, exist_ok=True)
-    path = plot_stats(stats, args.out / "activation_stats.png", names)
-    print(f"\nplot saved to {path}")
+    paths = [plot_stats(stats, args.out / "activation_stats.png", names)]
+    pictures = {
+        "overview.png": lambda path: act.plot(path),
+        "layer_stats.png": lambda path: act.plot_layer_stats(act.module_names[-2], path),
+        "color_dim.png": lambda path: act.color_dim(act.module_names[1], path),
+    }
+    for name, draw in pictures.items():
+        draw(args.out / name)
+        paths.append(args.out / name)
+    print("\npictures saved to " + ", ".join(str(p) for p in paths))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,33 @@
-"""Pictures of recorded statistics (matplotlib is imported only when a picture is drawn)."""
+"""Pictures of recorded statistics. matplotlib is imported only when a picture is drawn, and only
+its object API: the global backend (a notebook's inline one, say) is never touched."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from .stats import ActivationStats
+
+# Readable tick labels at most, however many modules there are.
+MAX_LABELS = 40
+
+
+def _figure(width: float, height: float) -> Figure:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _save(fig: Figure, path: str | Path | None) -> Figure:
+    if path is not None:
+        fig.savefig(Path(path), dpi=100)
+    return fig
 
 
 def plot_stats(stats: torch.Tensor, path: str | Path, names: Sequence[str] | None = None) -> Path:
@@ -19,20 +41,111 @@ def plot_stats(stats: torch.Tensor, path: str | Path, names: Sequence[str] | Non
     names = list(names) if names is not None else [f"module {i}" for i in range(stats.shape[1])]
     if len(names) != stats.shape[1]:
         raise ValueError(f"names must have {stats.shape[1]} entries, got {len(names)}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig = _figure(13, 4.5)
+    axes = fig.subplots(1, 2)
     for ax, values, title in zip(axes, stats, ("mean", "std"), strict=True):
         for name, series in zip(names, values, strict=True):
             ax.plot(series.numpy(), label=name)
         ax.set_title(f"activation {title} per batch")
         ax.set_xlabel("training batch")
     axes[1].legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
     return path
+
+
+def _robust_limits(values: torch.Tensor) -> tuple[float, float]:
+    finite = values[torch.isfinite(values)].double()
+    if finite.numel() == 0:
+        return 0.0, 1.0
+    low, high = torch.quantile(finite, torch.tensor([0.01, 0.99], dtype=torch.float64)).tolist()
+    return (low, high) if high > low else (low - 0.5, high + 0.5)
+
+
+def _module_ticks(ax: Any, names: list[str]) -> None:
+    step = max(1, -(-len(names) // MAX_LABELS))
+    ticks = list(range(0, len(names), step))
+    ax.set_yticks(ticks, [names[i] for i in ticks], fontsize="x-small")
+
+
+def overview(act: ActivationStats, path: str | Path | None = None) -> Figure:
+    """A heat map per statistic over modules (rows, by name) and recorded batches (columns)."""
+    planes = {"mean": act.stats[0], "std": act.stats[1], **act.extra}
+    names = act.module_names
+    height = min(14.0, max(3.5, 2.0 + 0.16 * len(names)))
+    fig = _figure(1.5 + 3.2 * len(planes), height)
+    axes = fig.subplots(1, len(planes), sharey=True, squeeze=False)[0]
+    batches = act.batches
+    extent = None
+    if batches.numel() > 0:
+        extent = (batches[0].item() - 0.5, batches[-1].item() + 0.5, len(names) - 0.5, -0.5)
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"].with_extremes(bad="lightgrey")  # NaN: the module did not run
+    for ax, (stat, values) in zip(axes, planes.items(), strict=True):
+        values = values.double()
+        low, high = _robust_limits(values)
+        image = ax.imshow(
+            values.numpy(),
+            aspect="auto",
+            interpolation="nearest",
+            vmin=low,
+            vmax=high,
+            extent=extent,
+            cmap=cmap,
+        )
+        ax.set_title(stat)
+        ax.set_xlabel("training batch")
+        fig.colorbar(image, ax=ax, shrink=0.8)
+    _module_ticks(axes[0], names)
+    fig.suptitle(f"{'activation' if act.is_forward else 'gradient'} statistics per module")
+    return _save(fig, path)
+
+
+def layer_stats(act: ActivationStats, module: int | str, path: str | Path | None = None) -> Figure:
+    """Mean, std and (where recorded) near-zero fraction of one module over the batches."""
+    stats = act.layer_stats(module)
+    shown = [s for s in ("mean", "std", "near_zero") if s in stats]
+    fig = _figure(4.2 * len(shown), 3.6)
+    axes = fig.subplots(1, len(shown), squeeze=False)[0]
+    batches = act.batches.numpy()
+    for ax, stat in zip(axes, shown, strict=True):
+        ax.plot(batches, stats[stat].numpy())
+        ax.set_title(stat.replace("_", "-"))
+        ax.set_xlabel("training batch")
+        ax.grid(alpha=0.3)
+    fig.suptitle(_module_title(act, module))
+    return _save(fig, path)
+
+
+def color_dim(act: ActivationStats, module: int | str, path: str | Path | None = None) -> Figure:
+    """The histogram of one module over the batches as an image, counts on a log scale."""
+    index = module if isinstance(module, int) else act.module_names.index(module)
+    counts = act.hist[index].double().T  # bins x batches
+    batches = act.batches
+    fig = _figure(8, 4)
+    ax = fig.subplots()
+    extent = (
+        (batches[0].item() - 0.5 if batches.numel() else 0),
+        (batches[-1].item() + 0.5 if batches.numel() else 1),
+        act.hist_min,
+        act.hist_max,
+    )
+    image = ax.imshow(
+        torch.log1p(counts).numpy(),
+        aspect="auto",
+        origin="lower",
+        interpolation="nearest",
+        extent=extent,
+    )
+    fig.colorbar(image, ax=ax, label="log(1 + count)")
+    ax.set_xlabel("training batch")
+    ax.set_ylabel("value")
+    ax.set_title(f"histogram over batches: {_module_title(act, module)}")
+    return _save(fig, path)
+
+
+def _module_title(act: ActivationStats, module: int | str) -> str:
+    names = act.module_names
+    index = names.index(module) if isinstance(module, str) else module
+    return f"{names[index]} ({type(act.modules[index]).__name__})"

@@ -8,6 +8,7 @@ import numbers
 import operator
 import warnings
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,6 +101,22 @@ class ActivationStats(HookCallback):
     The buffers hold `expected_batches` columns and double when they run out. A step captured
     in a CUDA graph keeps writing to the buffers it was captured with, so give
     `expected_batches` for the whole run there (past its end a device-side assertion fires).
+
+    Args:
+        model: the `nn.Module` to watch, or any object with one at `.model` (a learner).
+        modules: the modules to hook (a single module, or an iterable); default: every leaf
+            module with parameters, in `model.modules()` order.
+        do_remove: remove the hooks at `on_train_end` (default True).
+        backend: "auto" (the fused operator when built, else "python"), "fused" or "python".
+        expected_batches: columns allocated up front (default 64); more double the buffers.
+        extra: names from "min", "max", "near_zero", "nonfinite", "kurtosis".
+        near_zero: the threshold of "near_zero" (default 0.05, fastai v2's).
+        hist_bins: histogram bins, 0 (default) for none, at most 2048.
+        hist_range: the histogram's (lo, hi), default (0.0, 10.0).
+        every: record every N-th training batch (default 1: all of them).
+        is_forward: False records the statistics of each module's output gradient.
+    The recorded std is unbiased, as `torch.std`. What is recorded follows the model's training
+    mode, not each module's.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -379,6 +396,26 @@ class ActivationStats(HookCallback):
         from .export import long_table
 
         return long_table(self)
+
+    def plot(self, path: str | Path | None = None) -> Any:
+        """A heat map per statistic over modules and batches (a `matplotlib.figure.Figure`,
+        also saved as a PNG at `path` when given); readable from 3 to 300 modules."""
+        from .plot import overview
+
+        return overview(self, path)
+
+    def plot_layer_stats(self, module: int | str, path: str | Path | None = None) -> Any:
+        """Mean, std and near-zero fraction of one module over the batches, as a Figure."""
+        from .plot import layer_stats
+
+        return layer_stats(self, module, path)
+
+    def color_dim(self, module: int | str, path: str | Path | None = None) -> Any:
+        """One module's histogram over the batches as an image on a log scale, as a Figure;
+        needs `hist_bins > 0`."""
+        from .plot import color_dim
+
+        return color_dim(self, module, path)
 
     def log_to_tensorboard(self, writer: Any, step: int | None = None) -> None:
         """Write the newest recorded column of every statistic (and histogram) to the
