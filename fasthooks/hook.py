@@ -37,6 +37,13 @@ def _check_module(m: Any, name: str) -> nn.Module:
 class Hook:
     """A forward (or full backward) hook on one module; the hook function's result is `.stored`.
 
+    Args:
+        m: the module to hook (not a TorchScript module).
+        hook_func: called as `hook_func(module, input, output)`, or with the gradients of the
+            input and output for a backward hook.
+        is_forward: a forward hook (default) or a full backward hook.
+        detach: detach the tensors hook_func sees (default True), inside containers too.
+
     Example:
         >>> lin = nn.Linear(3, 2)
         >>> with Hook(lin, lambda m, i, o: o.shape) as h:
@@ -79,6 +86,11 @@ class Hook:
 
 class Hooks:
     """One `Hook` per module of `ms`, removed as a group; `.stored` lists results in module order.
+
+    Args:
+        ms: the modules (any iterable, a `Sequential` among them); if one cannot be hooked,
+            none stays hooked.
+        hook_func, is_forward, detach: as for `Hook`.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
@@ -188,7 +200,14 @@ class HookCallback:
 
     Subclasses define `hook`; it sees detached tensors unless the subclass sets
     `detach = False`. With `is_forward=False` it is a full backward hook: `hook(m, grad_input,
-    grad_output)`. The lifecycle keeps fastai v1's names (`on_train_begin`,
+    grad_output)`.
+
+    Args:
+        model: the `nn.Module` to watch, or any object with one at `.model` (a learner).
+        modules: the modules to hook (a single module, or an iterable); default: every leaf
+            module with parameters, in `model.modules()` order.
+        do_remove: remove the hooks at `on_train_end` (default True).
+        is_forward: forward hooks (default) or full backward hooks. The lifecycle keeps fastai v1's names (`on_train_begin`,
     `on_batch_end`, `on_train_end`); in a plain loop use it as a context manager.
 
     Example:
