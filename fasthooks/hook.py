@@ -200,15 +200,15 @@ class HookCallback:
 
     Subclasses define `hook`; it sees detached tensors unless the subclass sets
     `detach = False`. With `is_forward=False` it is a full backward hook: `hook(m, grad_input,
-    grad_output)`.
+    grad_output)`. The lifecycle keeps fastai v1's names (`on_train_begin`, `on_batch_end`,
+    `on_train_end`); in a plain loop use it as a context manager.
 
     Args:
         model: the `nn.Module` to watch, or any object with one at `.model` (a learner).
         modules: the modules to hook (a single module, or an iterable); default: every leaf
             module with parameters, in `model.modules()` order.
         do_remove: remove the hooks at `on_train_end` (default True).
-        is_forward: forward hooks (default) or full backward hooks. The lifecycle keeps fastai v1's names (`on_train_begin`,
-    `on_batch_end`, `on_train_end`); in a plain loop use it as a context manager.
+        is_forward: forward hooks (default) or full backward hooks.
 
     Example:
         >>> class Shapes(HookCallback):
