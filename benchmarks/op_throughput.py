@@ -114,23 +114,31 @@ def against_fastai(device: str, rounds: int) -> list[dict]:
 
 def hooked_call_cost(device: str, rounds: int) -> dict:
     """Forward time of an identity module with and without the ActivationStats hook."""
-    plain, hooked = nn.Identity(), nn.Identity()
+    plain, hooked, skipping = nn.Identity(), nn.Identity(), nn.Identity()
     x = torch.randn(64, 512, device=device)
     stats = ActivationStats(hooked, modules=[hooked], backend="fused", expected_batches=2)
     stats.on_train_begin()
+    # every=2 after one closed batch: the batch running now is one left out.
+    sampled = ActivationStats(skipping, modules=[skipping], backend="fused", every=2)
+    sampled.on_train_begin()
+    sampled.on_batch_end()
     record = _recorder(accumulate_stats, "mean+std", device)
     timings = interleaved(
         {
             "plain": _synchronised(lambda: plain(x), device),
             "hooked": _synchronised(lambda: hooked(x), device),
+            "left out": _synchronised(lambda: skipping(x), device),
             "op alone": _synchronised(lambda: record(x), device),
         },
         rounds=5 * rounds,  # short rounds, many of them: the best one is the quiet one
         calls=500,
     )
+    stats.on_batch_end()  # close the batch the timed calls recorded into
     stats.on_train_end()
+    sampled.on_train_end()
     # Best of the rounds: at microseconds, noise from other work on the machine only adds time.
     return {
+        "left_out_cost_us": (timings["left out"].min - timings["plain"].min) * 1e6,
         "plain_us": timings["plain"].min * 1e6,
         "hooked_us": timings["hooked"].min * 1e6,
         "op_alone_us": timings["op alone"].min * 1e6,
@@ -250,7 +258,8 @@ def report(results: dict) -> str:
             "",
             f"One hooked call on a 64x512 float32 output: {h['hook_cost_us']:.1f} us over an "
             f"unhooked call, best of the rounds (median {h['hook_cost_median_us']:.1f} us); "
-            f"hook dispatch + op, the op alone {h['op_alone_us']:.1f} us.",
+            f"hook dispatch + op, the op alone {h['op_alone_us']:.1f} us. In a batch left out "
+            f"by `every=N`: {h['left_out_cost_us']:.1f} us over an unhooked call.",
         ]
     return "\n".join(parts) + "\n"
 

@@ -206,3 +206,18 @@ def test_tensorboard_gets_the_newest_column_tagged_with_module_names(tmp_path):
     hist = events.Histograms("activations/2/hist")[-1].histogram_value
     assert hist.num == act.hist[5, 2].sum().item()
     assert list(hist.bucket) == act.hist[5, 2].double().tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_statistics_under_gradient_checkpointing(backend):
+    from torch.utils.checkpoint import checkpoint
+
+    model, plain = _conv_net(inplace=True), _conv_net(inplace=False)
+    x = torch.randn(4, 3, 8, 8)
+    act = ActivationStats(model, backend=backend, is_forward=False)
+    with act, hook_outputs([plain[0], plain[2]], grad=True) as grads:
+        checkpoint(model, x, use_reentrant=False).pow(2).mean().backward()
+        plain(x.clone().requires_grad_()).pow(2).mean().backward()
+        act.on_batch_end()
+    want = reference_stats([[g[0] for g in grads.stored]])
+    torch.testing.assert_close(act.stats.double(), want, rtol=1e-5, atol=1e-9)
