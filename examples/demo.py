@@ -116,7 +116,7 @@ def main() -> None:
                 epoch=epoch + 1, loss=f"{loss.item():.3f}", valid_acc=f"{accuracy:.3f}"
             )
 
-    names = [f"{i}: {type(m).__name__}" for i, m in enumerate(model) if m in act.modules]
+    names = [f"{n}: {type(m).__name__}" for n, m in zip(act.module_names, act.modules, strict=True)]
     stats = act.stats
     print(
         f"\nActivationStats ({act.backend} backend): {stats.shape[2]} training batches, "
