@@ -17,7 +17,8 @@ FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
   "$python" setup.py -q build_ext --inplace 2>&1 | tail -n 20 | tee "$out/build.log"
 
 FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_CUDA_KERNEL=1 "$python" -m pytest -q -p no:cacheprovider \
-  tests/test_cuda.py tests/test_operator.py tests/test_activation_stats.py tests/test_extension.py \
+  tests/test_cuda.py tests/test_operator.py tests/test_extras.py tests/test_activation_stats.py \
+  tests/test_robustness.py tests/test_extension.py \
   2>&1 | tail -n 40 | tee "$out/tests.log"
 
 for dtype in float32 bfloat16; do
