@@ -115,6 +115,8 @@ class ActivationStats(HookCallback):
         hist_range: the histogram's (lo, hi), default (0.0, 10.0).
         every: record every N-th training batch (default 1: all of them).
         is_forward: False records the statistics of each module's output gradient.
+        skip_frozen: True leaves out modules in eval mode inside a training model (frozen
+            layers), which are recorded by default.
     The recorded std is unbiased, as `torch.std`. What is recorded follows the model's training
     mode, not each module's.
 
@@ -142,10 +144,14 @@ class ActivationStats(HookCallback):
         hist_range: tuple[float, float] = (0.0, 10.0),
         every: int = 1,
         is_forward: bool = True,
+        skip_frozen: bool = False,
     ) -> None:
         super().__init__(model, modules, do_remove, is_forward)
         expected_batches = _count(expected_batches, "expected_batches", 1)
         self.every = _count(every, "every", 1)
+        if not isinstance(skip_frozen, bool):
+            raise TypeError(f"skip_frozen must be a bool, got {type(skip_frozen).__name__}")
+        self.skip_frozen = skip_frozen
         if isinstance(near_zero, bool) or not isinstance(near_zero, numbers.Real):
             raise TypeError(f"near_zero must be a number, got {type(near_zero).__name__}")
         if math.isnan(near_zero):
@@ -247,7 +253,7 @@ class ActivationStats(HookCallback):
     def hook(self, m: nn.Module, i: Any, o: Any) -> None:
         # A batch left out by `every` costs this one check. Then the model's mode, not the
         # module's: a frozen layer of a training model is recorded.
-        if not self._sampled or not self.model.training:
+        if not self._sampled or not self.model.training or (self.skip_frozen and not m.training):
             return
         x = o if type(o) is torch.Tensor else measured_tensor(o)[0]
         if not self.is_forward:

@@ -156,6 +156,12 @@ def test_a_frozen_layer_of_a_training_model_is_recorded(backend, device):
         model(torch.randn(4, 6, device=device))
         act.on_batch_end()
     assert torch.isnan(act.stats).all()  # an evaluating model records nothing
+    model.train()
+    model[1].eval()
+    skipping = _record(model, backend, device=device, skip_frozen=True)
+    assert torch.isnan(skipping.stats[:, 1]).all() and not torch.isnan(skipping.stats[:, 0]).any()
+    with pytest.raises(TypeError, match="skip_frozen must be a bool, got int"):
+        ActivationStats(model, skip_frozen=1)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
