@@ -53,6 +53,14 @@ C10_HOST_DEVICE inline Acc lower_edge(int64_t k, int64_t bins, double lo, double
   return k == bins ? static_cast<Acc>(INFINITY) : round_up<Acc>(hist_edge(k, bins, lo, hi));
 }
 
+// The table over `lower` (edges from lower_edge) of `bins` bins over [lo, hi].
+template <typename Acc>
+C10_HOST_DEVICE inline BinTable<Acc> bin_table(const Acc* lower, int64_t bins, double lo,
+                                               double hi) {
+  return {lower, round_down<Acc>(hi), static_cast<Acc>(lo), static_cast<Acc>(bins / (hi - lo)),
+          bins};
+}
+
 // The bin of v, or `bins` for a value that belongs to no bin. The first guess is within one bin
 // of the right one (bins_resolvable); comparing with the exact edges settles it. No branch
 // depends on where v falls.

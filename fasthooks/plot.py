@@ -120,8 +120,7 @@ def layer_stats(act: ActivationStats, module: int | str, path: str | Path | None
 
 def color_dim(act: ActivationStats, module: int | str, path: str | Path | None = None) -> Figure:
     """The histogram of one module over the batches as an image, counts on a log scale."""
-    index = module if isinstance(module, int) else act.module_names.index(module)
-    counts = act.hist[index].double().T  # bins x batches
+    counts = act.hist[act.module_index(module)].double().T  # bins x batches
     batches = act.batches
     fig = _figure(8, 4)
     ax = fig.subplots()
@@ -146,6 +145,5 @@ def color_dim(act: ActivationStats, module: int | str, path: str | Path | None =
 
 
 def _module_title(act: ActivationStats, module: int | str) -> str:
-    names = act.module_names
-    index = names.index(module) if isinstance(module, str) else module
-    return f"{names[index]} ({type(act.modules[index]).__name__})"
+    index = act.module_index(module)
+    return f"{act.module_names[index]} ({type(act.modules[index]).__name__})"

@@ -161,8 +161,9 @@ class ActivationStats(HookCallback):
         self.extra_names = _check_extra(extra)
         self.near_zero = float(near_zero)
         self.hist_bins, self.hist_min, self.hist_max = _check_hist(hist_bins, hist_range)
+        # The operator's arguments after the slot, the same on every call.
+        self._options = (self.near_zero, self.hist_min, self.hist_max)
         self._slots: dict[nn.Module, int] = {}
-        self._names: dict[nn.Module, str] = {}
         self._warned: set[nn.Module] = set()
         if self.modules is not None:
             self._slots = self._check_unique(self.modules)
@@ -196,8 +197,7 @@ class ActivationStats(HookCallback):
         device = torch.device("cpu") if device.type == "meta" else device
         resume, self._resume = self._resume, None
         capacity = self.expected_batches
-        if resume is not None:
-            checkpoint.check(self, resume)
+        if resume is not None:  # checked by load_state_dict
             capacity = max(capacity, resume["num_batches"] + 1)
         buffers = StatBuffers(
             len(modules), capacity, device, bool(self.extra_names), self.hist_bins
@@ -206,7 +206,6 @@ class ActivationStats(HookCallback):
             checkpoint.restore(resume, buffers)
         super().on_train_begin(**kwargs)
         self._slots, self._buffers, self._args = slots, buffers, buffers.op_args()
-        self._names = {m: name for name, m in self.model.named_modules() if name}
         self._warned = set()
         self._host = {
             "stats": HostCopy(2, torch.float32),
@@ -262,8 +261,11 @@ class ActivationStats(HookCallback):
             if x is not None and x.requires_grad:
                 x.register_hook(functools.partial(self._record_gradient, m))
             return
+        if x is None:
+            self._skip(m, measured_tensor(o)[1])
+            return
         try:
-            self._record(m, x, o)
+            self._accumulate(x.detach(), *self._args, self._slots[m], *self._options)
         except _MEASURE_ERRORS as error:
             self._record_otherwise(m, o, error)
 
@@ -280,14 +282,7 @@ class ActivationStats(HookCallback):
         if x is None:
             self._skip(m, measured_tensor(o)[1])
             return
-        self._accumulate(
-            x.detach(),
-            *self._args,
-            self._slots[m],
-            self.near_zero,
-            self.hist_min,
-            self.hist_max,
-        )
+        self._accumulate(x.detach(), *self._args, self._slots[m], *self._options)
 
     def _record_otherwise(self, m: nn.Module, o: Any, error: Exception) -> None:
         """After the operator refused an output: measure what can be measured, else say why."""
@@ -316,7 +311,7 @@ class ActivationStats(HookCallback):
             )
 
     def _name(self, m: nn.Module) -> str:
-        return f"{self._names.get(m, 'the model')} ({type(m).__name__})"
+        return f"{self.module_names[self._slots[m]]} ({type(m).__name__})"
 
     def on_train_end(self, **kwargs: Any) -> None:
         """Remove the hooks when `do_remove`; warn when statistics were never closed in a batch."""
@@ -368,6 +363,18 @@ class ActivationStats(HookCallback):
         names = {m: name for name, m in self.model.named_modules() if name}
         return [names.get(m, type(m).__name__) for m in self.resolve_modules()]
 
+    def module_index(self, module: int | str) -> int:
+        """The column of a hooked module, given its qualified name or an index (negative too)."""
+        names = self.module_names
+        if isinstance(module, str):
+            if module not in names:
+                raise KeyError(f"module {module!r} is not hooked; hooked modules: {names}")
+            return names.index(module)
+        index = _count(module, "module", -len(names))
+        if index >= len(names):
+            raise IndexError(f"module index {index} out of range for {len(names)} modules")
+        return index % len(names)
+
     def layer_stats(self, module: int | str) -> dict[str, torch.Tensor]:
         """Every recorded statistic of one module, by column index or qualified name:
         `(batches,)` CPU tensors "mean", "std" and each extra.
@@ -380,15 +387,7 @@ class ActivationStats(HookCallback):
             >>> sorted(act.layer_stats("2"))
             ['max', 'mean', 'std']
         """
-        names = self.module_names
-        if isinstance(module, str):
-            if module not in names:
-                raise KeyError(f"module {module!r} is not hooked; hooked modules: {names}")
-            index = names.index(module)
-        else:
-            index = _count(module, "module", -len(names))
-            if index >= len(names):
-                raise IndexError(f"module index {index} out of range for {len(names)} modules")
+        index = self.module_index(module)
         stats = self.stats
         return {
             "mean": stats[0, index],

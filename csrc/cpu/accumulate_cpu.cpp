@@ -87,12 +87,13 @@ void accumulate(const at::Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bo
                 const SlotPointers& slot, double near_zero, const at::Tensor& hist,
                 int64_t hist_offset, double hist_min, double hist_max) {
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
-  std::vector<Acc> lower(bins + 1);
-  for (int64_t k = 0; k <= bins; ++k) lower[k] = lower_edge<Acc>(k, bins, hist_min, hist_max);
-  const BinTable<Acc> table{lower.data(), round_down<Acc>(hist_max), static_cast<Acc>(hist_min),
-                            static_cast<Acc>(bins / (hist_max - hist_min)), bins};
+  std::vector<Acc> lower;  // empty, and no allocation, without a histogram
+  for (int64_t k = 0; bins > 0 && k <= bins; ++k) {
+    lower.push_back(lower_edge<Acc>(k, bins, hist_min, hist_max));
+  }
+  const BinTable<Acc> table = bin_table(lower.data(), bins, hist_min, hist_max);
   const ChunkParams<Acc> params{static_cast<Acc>(near_zero), bins > 0 ? &table : nullptr,
-                                guess_margin(table, hist_min)};
+                                bins > 0 ? guess_margin(table, hist_min) : Acc(0)};
   std::vector<int64_t> counts(bins);
   const T* p = dense.const_data_ptr<T>();
   if (full) {

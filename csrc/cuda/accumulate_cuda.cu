@@ -129,15 +129,12 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   auto* lower = reinterpret_cast<Acc*>(dynamic_shared);
   auto* hist = reinterpret_cast<unsigned int*>(lower + kMaxBins + 1);
-  BinTable<Acc> table{lower, Acc(0), Acc(0), Acc(0), b.bins};
+  const BinTable<Acc> table = bin_table(lower, b.bins, b.hist_min, b.hist_max);
   if constexpr (Hist) {
     for (int64_t k = threadIdx.x; k <= b.bins; k += blockDim.x) {
       lower[k] = lower_edge<Acc>(k, b.bins, b.hist_min, b.hist_max);
       if (k < b.bins) hist[k] = 0;
     }
-    table.top = round_down<Acc>(b.hist_max);
-    table.lo = static_cast<Acc>(b.hist_min);
-    table.scale = static_cast<Acc>(b.bins / (b.hist_max - b.hist_min));
     __syncthreads();
   }
 
