@@ -16,6 +16,7 @@ from torch import nn
 
 from . import checkpoint
 from .buffers import HostCopy, StatBuffers
+from .distributed import all_reduce
 from .hook import HookCallback
 from .layout import COUNT, EXTRA_PLANES, EXTRAS, MAX_HIST_BINS
 from .ops import resolve_backend
@@ -68,6 +69,16 @@ def _check_hist(hist_bins: Any, hist_range: Any) -> tuple[int, float, float]:
             "range's magnitude, finer than float32 activations resolve"
         )
     return int(hist_bins), lo, hi
+
+
+def _host_copies() -> dict[str, HostCopy]:
+    """Empty host copies of every buffer that reading may have to copy from a device."""
+    return {
+        "stats": HostCopy(2, torch.float32),
+        "extra": HostCopy(2, torch.float32),
+        "nonfinite": HostCopy(1, torch.int64),
+        "hist": HostCopy(1, torch.int64),
+    }
 
 
 class ActivationStats(HookCallback):
@@ -169,7 +180,7 @@ class ActivationStats(HookCallback):
             self._slots = self._check_unique(self.modules)
         self._buffers: StatBuffers | None = None
         self._args: tuple[torch.Tensor, ...] = ()
-        self._host: dict[str, HostCopy] = {}
+        self._host = _host_copies()
         self._num_batches = 0
         self._resume: dict[str, Any] | None = None
         self._start_sampling()
@@ -207,12 +218,7 @@ class ActivationStats(HookCallback):
         super().on_train_begin(**kwargs)
         self._slots, self._buffers, self._args = slots, buffers, buffers.op_args()
         self._warned = set()
-        self._host = {
-            "stats": HostCopy(2, torch.float32),
-            "extra": HostCopy(2, torch.float32),
-            "nonfinite": HostCopy(1, torch.int64),
-            "hist": HostCopy(1, torch.int64),
-        }
+        self._host = _host_copies()
         self._num_batches = 0
         self._start_sampling()
         if resume is not None:
@@ -345,6 +351,24 @@ class ActivationStats(HookCallback):
             self._buffers.cursor.add_(1)
         self._seen += 1
         self._sampled = self._seen % self.every == 0
+
+    def all_reduce(self, group: Any = None) -> None:
+        """Merge every rank's recorded columns into statistics of the whole batch, on every rank.
+
+        Under `DistributedDataParallel` each rank records its own shard, with no communication
+        per batch; call this once (at the end of training, or before reading) on every rank of
+        `group` (default: the whole world). Counts, extremes and histograms add up exactly, and
+        means and central moments merge by the operator's rule, so uneven shards are right.
+        Every rank must hook the same modules with the same options and have closed the same
+        number of batches; the open column is left as it is.
+        """
+        if self._buffers is None:
+            raise RuntimeError(
+                "all_reduce() called before any statistics were recorded: call it after the "
+                "training loop (or inside `with act:`)"
+            )
+        all_reduce(self, self._buffers, group)
+        self._host = _host_copies()  # columns already copied to the host have changed
 
     @property
     def num_batches(self) -> int:

@@ -87,6 +87,30 @@ def test_module_called_twice_per_batch_gets_merged_moments(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_accumulation_merges_micro_batches_into_one_column(backend):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+    options = {"extra": ("min", "max", "near_zero", "kurtosis"), "hist_bins": 8}
+    micro = ActivationStats(model, backend=backend, **options)
+    steps = [[torch.randn(4, 5), torch.randn(7, 5)] for _ in range(3)]
+    with micro:
+        for step in steps:
+            for x in step:  # forward and backward of each micro-batch, one optimizer step
+                model(x).sum().backward()
+            micro.on_batch_end(train=True)  # once per optimizer step
+    whole = ActivationStats(model, backend=backend, **options)
+    with whole:
+        for step in steps:
+            model(torch.cat(step))
+            whole.on_batch_end(train=True)
+    assert micro.num_batches == 3
+    torch.testing.assert_close(micro.stats, whole.stats, rtol=1e-6, atol=1e-7)
+    for name, values in whole.extra.items():
+        torch.testing.assert_close(micro.extra[name], values, rtol=1e-5, atol=1e-7)
+    assert torch.equal(micro.hist, whole.hist)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_buffer_grows_past_capacity_without_losing_batches(backend):
     model = _net()
     batches = [torch.randn(2, 3, 16, 16) + i for i in range(11)]

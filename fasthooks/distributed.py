@@ -1,0 +1,58 @@
+"""Merging the statistics that each rank of a distributed run recorded from its own shard."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .moments import finalise, merge
+
+if TYPE_CHECKING:
+    from .buffers import StatBuffers
+    from .stats import ActivationStats
+
+
+def all_reduce(act: ActivationStats, buffers: StatBuffers, group: Any = None) -> None:
+    """Replace every recorded column by the merge of all ranks' columns, on every rank.
+
+    Three collectives: a small shape check (so that ranks that recorded different columns fail
+    with a clear error instead of hanging), one all-gather of the float64 merge state (merged in
+    rank order with the operator's pairwise rule: exact counts, means and central moments for
+    shards of any size) and one sum of the histogram counts when a histogram is recorded.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("all_reduce needs an initialised process group (torch.distributed)")
+    n = act.num_batches
+    state = buffers.state
+    shape = (n, state.shape[0], state.shape[1], act.hist_bins)
+    world = dist.get_world_size(group)
+    header = torch.tensor(shape, dtype=torch.int64, device=state.device)
+    headers = [torch.empty_like(header) for _ in range(world)]
+    dist.all_gather(headers, header, group=group)
+    shapes = [tuple(h.tolist()) for h in headers]
+    if any(s != shapes[0] for s in shapes):
+        raise ValueError(
+            "all_reduce: ranks recorded different statistics (batches, state planes, modules, "
+            f"histogram bins) by rank: {shapes}; every rank must hook the same modules with "
+            "the same options and close the same number of batches"
+        )
+    if n == 0:
+        return
+    recorded = state[:, :, :n].contiguous()
+    gathered = [torch.empty_like(recorded) for _ in range(world)]
+    dist.all_gather(gathered, recorded, group=group)
+    merged = gathered[0]
+    for other in gathered[1:]:
+        merged = merge(merged, other)
+    stats, extra = finalise(merged)
+    state[:, :, :n] = merged
+    buffers.stats[:, :, :n] = stats
+    if extra is not None:
+        buffers.extra[:, :, :n] = extra
+    if act.hist_bins:
+        counts = buffers.hist[:, :n].contiguous()
+        dist.all_reduce(counts, group=group)
+        buffers.hist[:, :n] = counts

@@ -1,0 +1,150 @@
+"""all_reduce: statistics recorded on the shards of a distributed run equal those of the whole."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import BACKENDS
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import fasthooks
+from fasthooks import ActivationStats
+from fasthooks.layout import EXTRAS
+
+# Rows of each batch given to rank 0 and rank 1: uneven, and the last batch leaves rank 1 empty.
+SPLITS = [(7, 5), (3, 9), (6, 0)]
+OPTIONS = {"extra": EXTRAS, "hist_bins": 16, "hist_range": (-2.0, 2.0)}
+BACKEND_NAMES = ["python", "fused"] if fasthooks.extension_available() else ["python"]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def _batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(sum(s), 6, generator=generator) * 3 + 1 for s in SPLITS]
+
+
+def _recorded(act: ActivationStats) -> dict[str, torch.Tensor]:
+    return {"stats": act.stats.clone(), "hist": act.hist.clone(), **act.extra}
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    for backend in BACKEND_NAMES:
+        model = _model()
+        ddp = DistributedDataParallel(model)
+        act = ActivationStats(model, backend=backend, **OPTIONS)
+        with act:
+            for x, split in zip(_batches(), SPLITS, strict=True):
+                start = sum(split[:rank])
+                ddp(x[start : start + split[rank]]).sum().backward()
+                act.on_batch_end(train=True)
+        before = act.stats.clone()  # read before merging: the host copy must not go stale
+        act.all_reduce()
+        results[backend] = {"before": before, **_recorded(act)}
+    results["fsdp"] = _record_fully_sharded(rank)
+    act = ActivationStats(model, backend="python")
+    with act:
+        for _ in range(rank + 1):  # rank 1 closes one batch more than rank 0
+            model(torch.randn(2, 6))
+            act.on_batch_end()
+    try:
+        act.all_reduce()
+    except ValueError as error:
+        results["mismatch"] = str(error)
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _record_fully_sharded(rank: int) -> dict[str, torch.Tensor]:
+    """FSDP2: parameters sharded, each wrapped module gathers them back for its forward."""
+    model = _model()
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    act = ActivationStats(model, **OPTIONS)
+    with act:
+        for x, split in zip(_batches(), SPLITS[:2], strict=False):
+            start = sum(split[:rank])
+            model(x[start : start + split[rank]]).sum().backward()
+            act.on_batch_end(train=True)
+    act.all_reduce()
+    return {"modules": len(act.module_names), **_recorded(act)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_merged_shards_equal_one_process_seeing_every_batch(ranks, backend):
+    model = _model()
+    whole = ActivationStats(model, backend=backend, **OPTIONS)
+    with whole:
+        for x in _batches():
+            model(x)
+            whole.on_batch_end(train=True)
+    expected = _recorded(whole)
+    for rank in ranks:
+        merged = rank[backend]
+        assert not torch.equal(merged["before"], merged["stats"])  # the shards did differ
+        for name, want in expected.items():
+            if want.is_floating_point():
+                torch.testing.assert_close(merged[name], want, rtol=1e-6, atol=1e-7, msg=name)
+            else:
+                assert torch.equal(merged[name], want), name
+    for name in expected:
+        assert torch.equal(ranks[0][backend][name], ranks[1][backend][name]), name
+
+
+def test_ranks_with_different_columns_fail_clearly_on_every_rank(ranks):
+    for rank in ranks:
+        assert "ranks recorded different statistics" in rank["mismatch"]
+        assert "[(1, 3, 3, 0), (2, 3, 3, 0)]" in rank["mismatch"]
+
+
+def test_all_reduce_needs_a_process_group_and_a_run():
+    model = nn.Linear(2, 2)
+    act = ActivationStats(model, backend="python")
+    with pytest.raises(RuntimeError, match="before any statistics were recorded"):
+        act.all_reduce()
+    with act, pytest.raises(RuntimeError, match="initialised process group"):
+        act.all_reduce()
+
+
+def test_fully_sharded_modules_see_whole_activations(ranks):
+    model = _model()
+    whole = ActivationStats(model, backend="python", **OPTIONS)
+    with whole:
+        for x in _batches()[:2]:
+            model(x)
+            whole.on_batch_end(train=True)
+    expected = _recorded(whole)
+    for rank in ranks:
+        assert rank["fsdp"]["modules"] == 3
+        for name, want in expected.items():
+            if want.is_floating_point():
+                torch.testing.assert_close(rank["fsdp"][name], want, rtol=1e-6, atol=1e-7)
+            else:
+                assert torch.equal(rank["fsdp"][name], want), name
