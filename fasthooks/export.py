@@ -33,20 +33,35 @@ def long_table(act: ActivationStats) -> Any:
     return pd.DataFrame(columns)
 
 
+def newest_metrics(act: ActivationStats) -> dict[str, float]:
+    """The newest recorded column of every statistic as scalars tagged
+    `activations/<module>/<stat>` (`gradients/...` for gradient statistics); empty before the
+    first column."""
+    if act.num_batches == 0:
+        return {}
+    column = act.num_batches - 1
+    kind = "activations" if act.is_forward else "gradients"
+    planes = {"mean": act.stats[0], "std": act.stats[1], **act.extra}
+    return {
+        f"{kind}/{name}/{stat}": float(values[m, column])
+        for m, name in enumerate(act.module_names)
+        for stat, values in planes.items()
+    }
+
+
 def log_to_tensorboard(act: ActivationStats, writer: Any, step: int | None = None) -> None:
     """Writes the newest recorded column of every statistic to a `SummaryWriter`, as scalars
-    tagged `activations/<module>/<stat>` (`gradients/...` for gradient statistics), and the
-    histograms where recorded; `step` defaults to that column's training batch."""
+    tagged as `newest_metrics` tags them, and the histograms where recorded; `step` defaults to
+    that column's training batch."""
     if act.num_batches == 0:
         return
     column = act.num_batches - 1
     step = int(act.batches[column]) if step is None else step
-    kind = "activations" if act.is_forward else "gradients"
-    planes = {"mean": act.stats[0], "std": act.stats[1], **act.extra}
-    for m, name in enumerate(act.module_names):
-        for stat, values in planes.items():
-            writer.add_scalar(f"{kind}/{name}/{stat}", float(values[m, column]), step)
-        if act.hist_bins:
+    for tag, value in newest_metrics(act).items():
+        writer.add_scalar(tag, value, step)
+    if act.hist_bins:
+        kind = "activations" if act.is_forward else "gradients"
+        for m, name in enumerate(act.module_names):
             _add_histogram(writer, f"{kind}/{name}/hist", act, act.hist[m, column], step)
 
 

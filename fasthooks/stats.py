@@ -31,7 +31,7 @@ class StatisticsError(RuntimeError):
     """Recording a module's statistics failed; the message names the module."""
 
 
-def _count(value: Any, name: str, low: int) -> int:
+def count_argument(value: Any, name: str, low: int) -> int:
     """An integer argument with `operator.index` semantics (bools refused), at least `low`."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool")
@@ -53,7 +53,7 @@ def _check_extra(extra: Any) -> tuple[str, ...]:
 
 
 def _check_hist(hist_bins: Any, hist_range: Any) -> tuple[int, float, float]:
-    hist_bins = _count(hist_bins, "hist_bins", 0)
+    hist_bins = count_argument(hist_bins, "hist_bins", 0)
     if hist_bins > MAX_HIST_BINS:
         raise ValueError(f"hist_bins must be in [0, {MAX_HIST_BINS}], got {hist_bins}")
     try:
@@ -158,8 +158,8 @@ class ActivationStats(HookCallback):
         skip_frozen: bool = False,
     ) -> None:
         super().__init__(model, modules, do_remove, is_forward)
-        expected_batches = _count(expected_batches, "expected_batches", 1)
-        self.every = _count(every, "every", 1)
+        expected_batches = count_argument(expected_batches, "expected_batches", 1)
+        self.every = count_argument(every, "every", 1)
         if not isinstance(skip_frozen, bool):
             raise TypeError(f"skip_frozen must be a bool, got {type(skip_frozen).__name__}")
         self.skip_frozen = skip_frozen
@@ -394,7 +394,7 @@ class ActivationStats(HookCallback):
             if module not in names:
                 raise KeyError(f"module {module!r} is not hooked; hooked modules: {names}")
             return names.index(module)
-        index = _count(module, "module", -len(names))
+        index = count_argument(module, "module", -len(names))
         if index >= len(names):
             raise IndexError(f"module index {index} out of range for {len(names)} modules")
         return index % len(names)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from pathlib import Path
@@ -26,6 +27,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         raise pytest.UsageError(
             f"FASTHOOKS_REQUIRE_EXT=1 but fasthooks._C did not load: {fasthooks.extension_error()}"
         )
+
+
+def framework(name: str):
+    """Import a training framework for its integration tests: skipped where it is not installed,
+    unless FASTHOOKS_REQUIRE_FRAMEWORKS=1 (the main test run installs every one)."""
+    if os.environ.get("FASTHOOKS_REQUIRE_FRAMEWORKS") == "1":
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -1,0 +1,71 @@
+"""ActivationStats in a Hugging Face `Trainer`: `pip install fasthooks[transformers]`.
+
+Example:
+    >>> from fasthooks.integrations.transformers import ActivationStatsCallback
+    >>> callback = ActivationStatsCallback(extra=["max"], hist_bins=40)
+    >>> # Trainer(model, args, train_dataset=..., callbacks=[callback]).train()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from .recorder import FitRecorder, RecordingCallback
+
+
+class ActivationStatsCallback(RecordingCallback, TrainerCallback):
+    """Records `ActivationStats(model, **kwargs)` over each `Trainer.train()`.
+
+    One column per optimizer step: the micro-batches of `gradient_accumulation_steps` merge into
+    it. `expected_batches` defaults to the Trainer's `max_steps`. Every `log_every_n_steps`
+    optimizer steps (default: the Trainer's `logging_steps`, 0 for none) the newest column is
+    added, tagged `activations/<module>/<stat>`, to that step's logs: `trainer.state.log_history`
+    and every callback after this one, so that `report_to` integrations (TensorBoard, wandb, ...)
+    receive it when this callback comes first (`trainer.callback_handler.callbacks.insert(0,
+    callback)`). At the end of training, hooks are removed and, when a process group is
+    initialised, every rank's statistics are merged (`all_reduce`). The Trainer tells callbacks
+    nothing of an exception: run `trainer.train()` inside `with callback:` to remove the hooks
+    then too. The live object is `.activation_stats`.
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None, **kwargs: Any) -> None:
+        self._recorder = FitRecorder(kwargs, log_every_n_steps)
+        self._pending: tuple[int, dict[str, float]] | None = None
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._recorder.begin(kwargs["model"], state.max_steps)
+        self._pending = None
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        logging_steps = state.logging_steps if args.logging_strategy == "steps" else 0
+        metrics = self._recorder.step(int(logging_steps))
+        if metrics:
+            self._pending = (state.global_step, metrics)
+            control.should_log = True  # the Trainer logs this step, and on_log adds the metrics
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if self._pending is None or logs is None:
+            return
+        step, metrics = self._pending
+        self._pending = None
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == step:
+            state.log_history[-1].update(metrics)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._recorder.end()

@@ -1,0 +1,140 @@
+"""The Lightning callback, with a real `lightning.Trainer` fitting a tiny model on the CPU."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import framework
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fasthooks import ActivationStats
+
+pl = framework("lightning.pytorch")
+from fasthooks.integrations.lightning import ActivationStatsCallback  # noqa: E402
+
+ROWS, BATCH = 60, 4  # 15 batches an epoch
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, lr: float = 0.0, fail_at: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        self.lr, self.fail_at = lr, fail_at
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == self.fail_at:
+            raise RuntimeError("injected failure")
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(ROWS, 4, generator=generator), torch.randn(ROWS, 2))
+
+
+def _fit(callback, module=None, **trainer_args):
+    module = module or Tiny()
+    options = {
+        "max_epochs": 2,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        **trainer_args,
+    }
+    trainer = pl.Trainer(callbacks=[callback], **options)
+    trainer.fit(module, DataLoader(_data(), batch_size=BATCH))
+    return trainer, module
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_one_column_per_optimizer_step_merging_micro_batches(accumulate):
+    options = {"extra": ("max", "near_zero"), "hist_bins": 4, "hist_range": (-3.0, 3.0)}
+    callback = ActivationStatsCallback(**options)
+    trainer, module = _fit(callback, accumulate_grad_batches=accumulate)
+    act = callback.activation_stats
+    steps_per_epoch = -(-ROWS // (BATCH * accumulate))
+    assert act.num_batches == trainer.global_step == 2 * steps_per_epoch
+    assert act.expected_batches == trainer.estimated_stepping_batches
+    # lr=0 keeps the weights: each column must equal the statistics of its step's rows at once.
+    x = _data().tensors[0]
+    whole = ActivationStats(module, backend="python", **options)
+    with whole:
+        for _ in range(2):
+            for step in x.split(BATCH * accumulate):
+                module.net(step)
+                whole.on_batch_end(train=True)
+    torch.testing.assert_close(act.stats, whole.stats, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(act.extra["max"], whole.extra["max"])
+    torch.testing.assert_close(act.extra["near_zero"], whole.extra["near_zero"])
+    assert torch.equal(act.hist, whole.hist)
+    assert all(hook.removed for hook in act.hooks)
+
+
+def test_newest_column_goes_to_the_trainers_logger_every_n_steps(tmp_path):
+    callback = ActivationStatsCallback(log_every_n_steps=4, extra=["max"])
+    logger = pl.loggers.CSVLogger(tmp_path, name="run")
+    _fit(callback, logger=logger, max_epochs=1)
+    act = callback.activation_stats
+    with open(logger.log_dir + "/metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("activations/net.2/max")]
+    assert [int(row["step"]) for row in rows] == [4, 8, 12]
+    for row in rows:
+        column = int(row["step"]) - 1
+        assert float(row["activations/net.0/mean"]) == pytest.approx(float(act.stats[0, 0, column]))
+        assert float(row["activations/net.2/max"]) == pytest.approx(float(act.extra["max"][1, column]))
+
+
+def test_log_every_zero_logs_nothing(tmp_path):
+    callback = ActivationStatsCallback(log_every_n_steps=0)
+    logger = pl.loggers.CSVLogger(tmp_path, name="run")
+    _fit(callback, logger=logger, max_epochs=1)
+    assert callback.activation_stats.num_batches == 15
+    metrics = Path(logger.log_dir) / "metrics.csv"  # written only when something was logged
+    assert not metrics.exists() or "activations/" not in metrics.read_text()
+
+
+def test_an_exception_removes_the_hooks_and_keeps_the_statistics():
+    callback = ActivationStatsCallback()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        _fit(callback, Tiny(fail_at=5))
+    act = callback.activation_stats
+    assert act.num_batches == 5
+    assert all(hook.removed for hook in act.hooks)
+    assert act.stats[:, :, :5].isfinite().all()
+
+
+def test_fit_end_merges_ranks_when_a_process_group_is_initialised(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    calls = []
+    real = ActivationStats.all_reduce
+    monkeypatch.setattr(ActivationStats, "all_reduce", lambda self: calls.append(real(self)))
+    callback = ActivationStatsCallback()
+    _fit(callback, max_epochs=1)
+    assert calls == []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        _fit(callback, max_epochs=1)
+    finally:
+        dist.destroy_process_group()
+    assert calls == [None]
+
+
+def test_arguments_are_checked_when_the_callback_is_made():
+    with pytest.raises(ValueError, match="extra: unknown statistic 'bogus'"):
+        ActivationStatsCallback(extra=["bogus"])
+    with pytest.raises(TypeError, match="model: the callback hooks the model"):
+        ActivationStatsCallback(model=nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="log_every_n_steps must be an int >= 0"):
+        ActivationStatsCallback(log_every_n_steps=-1)
+    assert ActivationStatsCallback().activation_stats is None
