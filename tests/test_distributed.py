@@ -26,7 +26,9 @@ BACKEND_NAMES = ["python", "fused"] if fasthooks.extension_available() else ["py
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
+    return nn.Sequential(
+        nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)
+    )
 
 
 def _batches() -> list[torch.Tensor]:

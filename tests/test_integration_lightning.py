@@ -91,7 +91,9 @@ def test_newest_column_goes_to_the_trainers_logger_every_n_steps(tmp_path):
     for row in rows:
         column = int(row["step"]) - 1
         assert float(row["activations/net.0/mean"]) == pytest.approx(float(act.stats[0, 0, column]))
-        assert float(row["activations/net.2/max"]) == pytest.approx(float(act.extra["max"][1, column]))
+        assert float(row["activations/net.2/max"]) == pytest.approx(
+            float(act.extra["max"][1, column])
+        )
 
 
 def test_log_every_zero_logs_nothing(tmp_path):

@@ -1,0 +1,116 @@
+"""The fastai callback, with a real fastai v2 `Learner` on plain PyTorch data loaders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import framework
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fasthooks import ActivationStats
+
+framework("fastai")
+from fastai.callback.core import Callback, CancelStepException  # noqa: E402
+from fastai.callback.training import GradientAccumulation  # noqa: E402
+from fastai.data.core import DataLoaders  # noqa: E402
+from fastai.learner import Learner  # noqa: E402
+
+from fasthooks.integrations.fastai import ActivationStatsCallback  # noqa: E402
+
+ROWS, BATCH = 64, 8  # 8 batches an epoch
+
+
+def _data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(
+        torch.randn(ROWS, 4, generator=generator), torch.randn(ROWS, 1, generator=generator)
+    )
+
+
+def _learner(lr: float = 0.0, cbs=()) -> Learner:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    loaders = DataLoaders(
+        DataLoader(_data(), batch_size=BATCH), DataLoader(_data(), batch_size=BATCH)
+    )
+    learn = Learner(loaders, model, loss_func=nn.MSELoss(), lr=lr, cbs=list(cbs))
+    learn.recorder.silent = True
+    return learn
+
+
+def _fit(learn: Learner, epochs: int = 2, cbs=()) -> None:
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(epochs, lr=learn.lr, cbs=list(cbs))
+
+
+class CancelOddSteps(Callback):
+    def before_step(self):
+        if self.train_iter % 2 == 0:
+            raise CancelStepException()
+
+
+@pytest.mark.parametrize("skipping", [None, "accumulation", "cancelled step"])
+def test_one_column_per_optimizer_step_merging_skipped_ones(skipping):
+    options = {"extra": ("max",), "hist_bins": 4, "hist_range": (-3.0, 3.0)}
+    callback = ActivationStatsCallback(**options)
+    others = {
+        None: [],
+        "accumulation": [GradientAccumulation(2 * BATCH)],
+        "cancelled step": [CancelOddSteps()],
+    }[skipping]
+    learn = _learner(cbs=[callback])
+    _fit(learn, cbs=others)
+    act = callback.activation_stats
+    per_step = 1 if skipping is None else 2
+    assert act.num_batches == 2 * ROWS // (BATCH * per_step)
+    assert act.expected_batches == 2 * ROWS // BATCH
+    x = _data().tensors[0]
+    learn.model.train()  # fastai leaves it in eval mode after validating
+    whole = ActivationStats(learn.model, backend="python", **options)
+    with whole:
+        for _ in range(2):
+            for step in x.split(BATCH * per_step):
+                learn.model(step)
+                whole.on_batch_end(train=True)
+    torch.testing.assert_close(act.stats, whole.stats, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(act.extra["max"], whole.extra["max"])
+    assert torch.equal(act.hist, whole.hist)
+    assert all(hook.removed for hook in act.hooks)
+    assert learn.fasthooks is callback
+
+
+def test_newest_column_goes_to_fastais_tensorboard_writer(tmp_path):
+    framework("tensorboard")
+    from fastai.callback.tensorboard import TensorBoardCallback
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    callback = ActivationStatsCallback(log_every_n_steps=3, hist_bins=4)
+    board = TensorBoardCallback(str(tmp_path), trace_model=False, log_preds=False)
+    _fit(_learner(), epochs=1, cbs=[callback, board])
+    events = EventAccumulator(str(next(tmp_path.glob("events.out.tfevents.*"))))
+    events.Reload()
+    means = events.Scalars("activations/0/mean")
+    assert [e.step for e in means] == [2, 5]  # fastai's train_iter of steps 3 and 6
+    stats = callback.activation_stats.stats
+    assert [e.value for e in means] == pytest.approx([float(stats[0, 0, 2]), float(stats[0, 0, 5])])
+    assert "activations/2/hist" in events.Tags()["histograms"]
+
+
+def test_with_block_removes_the_hooks_when_training_raises():
+    class Fail(Callback):
+        def after_batch(self):
+            if self.train_iter == 3:
+                raise ValueError("injected failure")
+
+    callback = ActivationStatsCallback()
+    with pytest.raises(ValueError, match="injected failure"), callback:
+        _fit(_learner(), cbs=[callback, Fail()])
+    act = callback.activation_stats
+    assert act.num_batches == 3  # train_iter counts batches already ended
+    assert all(hook.removed for hook in act.hooks)
+
+
+def test_arguments_are_checked_when_the_callback_is_made():
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
+        ActivationStatsCallback(every=0)

@@ -1,0 +1,130 @@
+"""The Hugging Face callback, with a real `Trainer` on a tiny BERT built from a config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import framework
+
+from fasthooks import ActivationStats
+
+transformers = framework("transformers")
+from fasthooks.integrations.transformers import ActivationStatsCallback  # noqa: E402
+
+ROWS, BATCH, SEQ, HIDDEN = 40, 4, 8, 16
+
+
+def _model():
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=SEQ,
+        num_labels=2,
+    )
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(config)
+
+
+def _data() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        {
+            "input_ids": torch.randint(0, 50, (SEQ,), generator=generator),
+            "labels": torch.tensor(i % 2),
+        }
+        for i in range(ROWS)
+    ]
+
+
+def _trainer(callback, tmp_path, **args):
+    options = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": BATCH,
+        "num_train_epochs": 1,
+        "report_to": "none",
+        "use_cpu": True,
+        "logging_steps": 2,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        **args,
+    }
+    arguments = transformers.TrainingArguments(**options)
+    return transformers.Trainer(
+        model=_model(), args=arguments, train_dataset=_data(), callbacks=[callback]
+    )
+
+
+def _element_counts(act: ActivationStats) -> list[int]:
+    """Elements recorded per column for the first module, from an all-covering histogram."""
+    return act.hist[0, :, 0].tolist()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_one_column_per_optimizer_step_merging_micro_batches(tmp_path, accumulate):
+    callback = ActivationStatsCallback(hist_bins=1, hist_range=(-1e4, 1e4), extra=["max"])
+    trainer = _trainer(callback, tmp_path, gradient_accumulation_steps=accumulate)
+    trainer.train()
+    act = callback.activation_stats
+    steps = ROWS // (BATCH * accumulate)
+    assert act.num_batches == trainer.state.global_step == steps
+    assert act.expected_batches == trainer.state.max_steps
+    # The word embeddings output every token of every row of the step.
+    assert act.module_names[0] == "bert.embeddings.word_embeddings"
+    assert _element_counts(act) == [BATCH * accumulate * SEQ * HIDDEN] * steps
+    assert act.stats.isfinite().all()
+    assert all(hook.removed for hook in act.hooks)
+
+
+def test_newest_column_goes_into_the_logs_of_its_step(tmp_path):
+    callback = ActivationStatsCallback(log_every_n_steps=3, extra=["max"])
+    trainer = _trainer(callback, tmp_path, logging_steps=5)
+    trainer.train()
+    act = callback.activation_stats
+    tag = "activations/classifier/max"
+    logged = {entry["step"]: entry for entry in trainer.state.log_history if tag in entry}
+    assert sorted(logged) == [3, 6, 9]
+    classifier = act.module_names.index("classifier")
+    for step, entry in logged.items():
+        assert entry[tag] == pytest.approx(float(act.extra["max"][classifier, step - 1]))
+        assert "loss" in entry  # the step's own log, which the callback made the Trainer write
+
+
+def test_a_reporter_after_the_callback_receives_the_metrics(tmp_path):
+    framework("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    callback = ActivationStatsCallback(log_every_n_steps=5)
+    trainer = _trainer(callback, tmp_path, report_to="tensorboard")
+    trainer.callback_handler.callbacks.remove(callback)
+    trainer.callback_handler.callbacks.insert(0, callback)
+    trainer.train()
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*"))))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("train/activations/classifier/mean")]
+    assert steps == [5, 10]
+
+
+def test_with_block_removes_the_hooks_when_training_raises(tmp_path):
+    class Fail(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise RuntimeError("injected failure")
+
+    callback = ActivationStatsCallback()
+    trainer = _trainer(callback, tmp_path)
+    trainer.add_callback(Fail())
+    with pytest.raises(RuntimeError, match="injected failure"), callback:
+        trainer.train()
+    act = callback.activation_stats
+    assert act.num_batches == 3
+    assert all(hook.removed for hook in act.hooks)
+
+
+def test_arguments_are_checked_when_the_callback_is_made():
+    with pytest.raises(ValueError, match="hist_range must be finite"):
+        ActivationStatsCallback(hist_bins=4, hist_range=(1.0, 0.0))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        ActivationStatsCallback(bogus=1)
