@@ -9,6 +9,11 @@ CUDA_LIB := build/cuda/lib
 TORCH_CPU := torch==2.13.0
 TORCH_CUDA := torch==2.14.1
 PIP_QUIET := -q --disable-pip-version-check
+# The training frameworks that the integration tests drive. fastai's Learner and callbacks need
+# none of torchvision or spacy, which its own requirements would pull (with another torch).
+FRAMEWORKS := lightning==2.6.6 transformers==5.24.0 accelerate==1.16.0
+FASTAI := fastai==2.8.12
+FASTAI_DEPS := fastcore fastdownload fastprogress fasttransform plum-dispatch requests cloudpickle
 # Drop pip's notes about unreachable local index folders; keep everything else it says.
 PIP_FILTER := { grep -v "is neither a file nor a directory" || true; }
 CUDA_ARCHS ?= 8.0;9.0
@@ -18,7 +23,9 @@ CUDA_ARCHS ?= 8.0;9.0
 $(VENV)/.ready: Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) numpy scikit-learn matplotlib tqdm pandas \
-		tensorboard pytest hypothesis ruff clang-format ninja setuptools wheel 2>&1 | $(PIP_FILTER)
+		tensorboard pytest hypothesis ruff clang-format ninja setuptools wheel \
+		$(FRAMEWORKS) $(FASTAI_DEPS) 2>&1 | $(PIP_FILTER)
+	$(VENV)/bin/pip install $(PIP_QUIET) --no-deps $(FASTAI) 2>&1 | $(PIP_FILTER)
 	touch $@
 
 setup: $(VENV)/.ready
@@ -39,7 +46,8 @@ lint: $(VENV)/.ready
 	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu')
 
 test-cpu: build
-	FASTHOOKS_REQUIRE_EXT=1 $(VENV)/bin/python -m pytest --doctest-modules fasthooks tests
+	FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_FRAMEWORKS=1 \
+		$(VENV)/bin/python -m pytest --doctest-modules fasthooks tests
 
 $(CUDA_VENV)/.ready: Makefile
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)

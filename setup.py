@@ -122,7 +122,13 @@ setup(
     packages=find_packages(include=["fasthooks", "fasthooks.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
-    extras_require={"demo": ["matplotlib", "scikit-learn", "tqdm"], "pandas": ["pandas"]},
+    extras_require={
+        "demo": ["matplotlib", "scikit-learn", "tqdm"],
+        "pandas": ["pandas"],
+        "lightning": ["lightning>=2.0"],
+        "transformers": ["transformers>=4.40", "accelerate>=0.26"],
+        "fastai": ["fastai>=2.7"],
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -202,6 +202,13 @@ class ActivationStats(HookCallback):
     def on_train_begin(self, **kwargs: Any) -> None:
         """Start fresh statistics and register the hooks (everything is checked first)."""
         modules = self.resolve_modules()
+        if not modules:
+            warnings.warn(
+                f"ActivationStats: nothing to hook in {type(self.model).__name__}: it has no leaf "
+                "module with parameters of its own (FSDP1's flat parameters, say); pass modules=",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         slots = self._check_unique(modules)
         device = next(self.model.parameters(), torch.empty(0)).device
         # A model on the meta device computes nothing to record; its statistics read NaN.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import BACKENDS
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import fasthooks
@@ -57,6 +59,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         act.all_reduce()
         results[backend] = {"before": before, **_recorded(act)}
     results["fsdp"] = _record_fully_sharded(rank)
+    results["fsdp1"] = _record_flat_parameters(rank)
     act = ActivationStats(model, backend="python")
     with act:
         for _ in range(rank + 1):  # rank 1 closes one batch more than rank 0
@@ -86,6 +89,24 @@ def _record_fully_sharded(rank: int) -> dict[str, torch.Tensor]:
     return {"modules": len(act.module_names), **_recorded(act)}
 
 
+def _record_flat_parameters(rank: int) -> dict[str, Any]:
+    """FSDP1's flat parameters leave the leaf modules none: the default finds nothing to hook."""
+    model = _model()
+    wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ActivationStats(wrapped, backend="python"):
+            pass
+    act = ActivationStats(wrapped, modules=[model[0], model[2], model[4]], **OPTIONS)
+    with act:
+        for x, split in zip(_batches(), SPLITS[:2], strict=False):
+            start = sum(split[:rank])
+            wrapped(x[start : start + split[rank]]).sum().backward()
+            act.on_batch_end(train=True)
+    act.all_reduce()
+    return {"warnings": [str(w.message) for w in caught], **_recorded(act)}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -111,11 +132,7 @@ def test_merged_shards_equal_one_process_seeing_every_batch(ranks, backend):
     for rank in ranks:
         merged = rank[backend]
         assert not torch.equal(merged["before"], merged["stats"])  # the shards did differ
-        for name, want in expected.items():
-            if want.is_floating_point():
-                torch.testing.assert_close(merged[name], want, rtol=1e-6, atol=1e-7, msg=name)
-            else:
-                assert torch.equal(merged[name], want), name
+        _assert_same(merged, expected)
     for name in expected:
         assert torch.equal(ranks[0][backend][name], ranks[1][backend][name]), name
 
@@ -135,18 +152,33 @@ def test_all_reduce_needs_a_process_group_and_a_run():
         act.all_reduce()
 
 
-def test_fully_sharded_modules_see_whole_activations(ranks):
+def _whole_run_of_two_batches() -> dict[str, torch.Tensor]:
     model = _model()
     whole = ActivationStats(model, backend="python", **OPTIONS)
     with whole:
         for x in _batches()[:2]:
             model(x)
             whole.on_batch_end(train=True)
-    expected = _recorded(whole)
+    return _recorded(whole)
+
+
+def _assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    for name, want in expected.items():
+        if want.is_floating_point():
+            torch.testing.assert_close(got[name], want, rtol=1e-6, atol=1e-7, msg=name)
+        else:
+            assert torch.equal(got[name], want), name
+
+
+def test_fully_sharded_modules_see_whole_activations(ranks):
+    expected = _whole_run_of_two_batches()
     for rank in ranks:
         assert rank["fsdp"]["modules"] == 3
-        for name, want in expected.items():
-            if want.is_floating_point():
-                torch.testing.assert_close(rank["fsdp"][name], want, rtol=1e-6, atol=1e-7)
-            else:
-                assert torch.equal(rank["fsdp"][name], want), name
+        _assert_same(rank["fsdp"], expected)
+
+
+def test_flat_parameters_need_modules_named_and_say_so(ranks):
+    expected = _whole_run_of_two_batches()
+    for rank in ranks:
+        assert any("nothing to hook" in w for w in rank["fsdp1"]["warnings"])
+        _assert_same(rank["fsdp1"], expected)

@@ -274,3 +274,13 @@ def test_memory_stays_flat_over_ten_thousand_batches(backend):
         grown = _resident_bytes() - start
     assert act.num_batches == 10_000 and not torch.isnan(act.stats).any()
     assert grown < 2 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("modules", [None, []])
+def test_nothing_to_hook_is_said(modules):
+    model = nn.Sequential(nn.ReLU(), nn.Flatten())
+    with pytest.warns(RuntimeWarning, match="nothing to hook in Sequential.*pass modules="):
+        act = ActivationStats(model, modules=modules, backend="python")
+        act.on_train_begin()
+    act.on_train_end()
+    assert act.stats.shape == (2, 0, 0)
