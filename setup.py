@@ -24,6 +24,9 @@ VERSION = re.search(
 ).group(1)
 
 
+# torch's stable ABI appeared in 2.10; the extension is compiled for that version's ABI.
+MIN_STABLE_ABI_TORCH = (2, 10)
+STABLE_ABI_TARGET = (2 << 56) | (10 << 48)
 # Volta to Hopper, and PTX for later GPUs: the kernels need sm_70 (warp match instructions).
 DEFAULT_CUDA_ARCHS = "7.0;7.5;8.0;8.6;8.9;9.0+PTX"
 NO_TORCH = (
@@ -91,24 +94,37 @@ def extension_build():
     except ImportError as error:
         raise SystemExit(NO_TORCH.format(error=error)) from None
 
+    if _torch_version(torch.__version__) < MIN_STABLE_ABI_TORCH:
+        _say(
+            f"torch {torch.__version__} predates the stable ABI (torch >= 2.10) that fasthooks._C "
+            "is built on: pure-Python install; ActivationStats uses backend='python'"
+        )
+        return [], {}
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
-    # at::parallel_for is an OpenMP loop in torch's CPU builds: without -fopenmp it runs serially.
-    cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]
+    # Only torch's stable C ABI and header-only types, so the binary loads under any later torch.
+    target = f"-DTORCH_TARGET_VERSION={STABLE_ABI_TARGET:#x}"
+    cxx = ["-O3", "-fvisibility=hidden", target]
     if _cuda_decision(torch.version.cuda, cpp_extension.CUDA_HOME):
         sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cu"))
         extension = cpp_extension.CUDAExtension(
             "fasthooks._C",
             sources,
             include_dirs=_pip_cuda_include_dirs(),
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
-            py_limited_api=False,
+            # USE_CUDA declares the C shim's CUDA functions (the current stream among them).
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", target, "-DUSE_CUDA"]},
+            py_limited_api=True,
         )
     else:
-        _say(f"building CPU kernels against torch {torch.__version__}")
+        _say(f"building CPU kernels with torch {torch.__version__}'s headers, for torch >= 2.10")
         extension = cpp_extension.CppExtension(
-            "fasthooks._C", sources, extra_compile_args={"cxx": cxx}
+            "fasthooks._C", sources, extra_compile_args={"cxx": cxx}, py_limited_api=True
         )
     return [extension], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+
+
+def _torch_version(version: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
 
 
 ext_modules, cmdclass = extension_build()
@@ -121,7 +137,8 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["fasthooks", "fasthooks.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4"],
+    # The binary serves every torch from 2.10 on; the pure-Python package any torch from 2.4.
+    install_requires=["torch>=2.10" if ext_modules else "torch>=2.4"],
     extras_require={
         "demo": ["matplotlib", "scikit-learn", "tqdm"],
         "pandas": ["pandas"],
@@ -131,4 +148,6 @@ setup(
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
+    # One wheel for every CPython from 3.10 on (the extension uses the limited API only).
+    options={"bdist_wheel": {"py_limited_api": "cp310"}} if ext_modules else {},
 )

@@ -1,6 +1,11 @@
 #include "checks.h"
 
+#include <algorithm>
 #include <cmath>
+#include <initializer_list>
+#include <numeric>
+#include <utility>
+#include <vector>
 
 #include "histogram.h"
 #include "stats.h"
@@ -8,65 +13,106 @@
 namespace fasthooks {
 namespace {
 
-void check_buffer(const at::Tensor& t, const char* name, at::ScalarType dtype,
-                  at::IntArrayRef shape) {
-  TORCH_CHECK(t.scalar_type() == dtype && t.sizes() == shape && t.is_contiguous(),
-              "accumulate_stats: ", name, " must be a contiguous ", dtype, " tensor of shape ",
-              shape, ", got ", t.scalar_type(), " of shape ", t.sizes());
+void check_buffer(const Tensor& t, const char* name, ScalarType dtype,
+                  std::initializer_list<int64_t> shape) {
+  const auto sizes = t.sizes();
+  const bool same_shape = std::equal(sizes.begin(), sizes.end(), shape.begin(), shape.end());
+  std::ostringstream want;
+  want << "[";
+  for (const int64_t* s = shape.begin(); s != shape.end(); ++s) {
+    want << (s == shape.begin() ? "" : ", ") << *s;
+  }
+  want << "]";
+  FASTHOOKS_CHECK(t.scalar_type() == dtype && same_shape && t.is_contiguous(), "accumulate_stats: ",
+                  name, " must be a contiguous ", dtype, " tensor of shape ", want.str(), ", got ",
+                  t.scalar_type(), " of shape ", shape_of(t));
 }
 
 }  // namespace
 
-bool check_accumulate_args(const at::Tensor& x, const at::Tensor& state, const at::Tensor& stats,
-                           const at::Tensor& extra, const at::Tensor& hist,
-                           const at::Tensor& workspace, const at::Tensor& cursor, int64_t slot,
-                           double hist_min, double hist_max) {
+std::string shape_of(const Tensor& t) {
+  std::ostringstream out;
+  out << "[";
+  for (int64_t d = 0; d < t.dim(); ++d) out << (d ? ", " : "") << t.size(d);
+  out << "]";
+  return out.str();
+}
+
+std::string device_of(const Tensor& t) {
+  const auto device = t.device();
+  std::string name = device.is_cpu() ? "cpu" : device.is_cuda() ? "cuda" : "another device";
+  if (device.has_index() && !device.is_cpu()) name += ":" + std::to_string(device.index());
+  return name;
+}
+
+bool is_non_overlapping_and_dense(const Tensor& t) {
+  const int64_t dims = t.dim();
+  std::vector<int64_t> order(dims);
+  std::iota(order.begin(), order.end(), 0);
+  // Sizes of 1 may carry any stride; order the others by stride and require them to tile.
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return std::pair(t.size(a) != 1, t.stride(a)) < std::pair(t.size(b) != 1, t.stride(b));
+  });
+  int64_t expected = 1;
+  for (const int64_t d : order) {
+    if (t.size(d) == 1) continue;
+    if (t.stride(d) != expected) return false;
+    expected *= t.size(d);
+  }
+  return true;
+}
+
+bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& stats,
+                           const Tensor& extra, const Tensor& hist, const Tensor& workspace,
+                           const Tensor& cursor, int64_t slot, double hist_min, double hist_max) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(
-      dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
-      "accumulate_stats: x must be float32, float64, float16 or bfloat16, got ", dtype);
-  TORCH_CHECK(state.scalar_type() == at::kDouble && state.dim() == 3 &&
-                  (state.size(0) == kBasicPlanes || state.size(0) == kFullPlanes) &&
-                  state.is_contiguous(),
-              "accumulate_stats: state must be a contiguous float64 tensor of shape (3 or 9, "
-              "modules, batches), got ",
-              state.scalar_type(), " of shape ", state.sizes());
+  FASTHOOKS_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double ||
+                      dtype == ScalarType::Half || dtype == ScalarType::BFloat16,
+                  "accumulate_stats: x must be float32, float64, float16 or bfloat16, got ", dtype);
+  FASTHOOKS_CHECK(state.scalar_type() == ScalarType::Double && state.dim() == 3 &&
+                      (state.size(0) == kBasicPlanes || state.size(0) == kFullPlanes) &&
+                      state.is_contiguous(),
+                  "accumulate_stats: state must be a contiguous float64 tensor of shape (3 or 9, "
+                  "modules, batches), got ",
+                  state.scalar_type(), " of shape ", shape_of(state));
   const int64_t modules = state.size(1);
   const int64_t batches = state.size(2);
   const bool full = state.size(0) == kFullPlanes;
-  check_buffer(stats, "stats", at::kFloat, {2, modules, batches});
+  check_buffer(stats, "stats", ScalarType::Float, {2, modules, batches});
   if (full) {
-    check_buffer(extra, "extra", at::kFloat, {kExtraPlanes, modules, batches});
+    check_buffer(extra, "extra", ScalarType::Float, {kExtraPlanes, modules, batches});
   } else {
-    TORCH_CHECK(extra.numel() == 0, "accumulate_stats: extra must be empty with a 3-plane state, ",
-                "got shape ", extra.sizes());
+    FASTHOOKS_CHECK(extra.numel() == 0,
+                    "accumulate_stats: extra must be empty with a 3-plane state, got shape ",
+                    shape_of(extra));
   }
   if (hist.numel() > 0) {
-    TORCH_CHECK(hist.dim() == 3 && hist.size(2) > 0, "accumulate_stats: hist must have shape ",
-                "(modules, batches, bins), got ", hist.sizes());
-    check_buffer(hist, "hist", at::kLong, {modules, batches, hist.size(2)});
-    TORCH_CHECK(std::isfinite(hist_min) && std::isfinite(hist_max) && hist_min < hist_max,
-                "accumulate_stats: hist_min and hist_max must be finite with hist_min < hist_max, "
-                "got ",
-                hist_min, " and ", hist_max);
-    TORCH_CHECK(bins_resolvable(hist.size(2), hist_min, hist_max),
-                "accumulate_stats: ", hist.size(2), " bins over [", hist_min, ", ", hist_max,
-                "] are narrower than 2^-16 of the range's magnitude");
+    FASTHOOKS_CHECK(hist.dim() == 3 && hist.size(2) > 0,
+                    "accumulate_stats: hist must have shape (modules, batches, bins), got ",
+                    shape_of(hist));
+    check_buffer(hist, "hist", ScalarType::Long, {modules, batches, hist.size(2)});
+    FASTHOOKS_CHECK(std::isfinite(hist_min) && std::isfinite(hist_max) && hist_min < hist_max,
+                    "accumulate_stats: hist_min and hist_max must be finite with hist_min < "
+                    "hist_max, got ",
+                    hist_min, " and ", hist_max);
+    FASTHOOKS_CHECK(bins_resolvable(hist.size(2), hist_min, hist_max), "accumulate_stats: ",
+                    hist.size(2), " bins over [", hist_min, ", ", hist_max,
+                    "] are narrower than 2^-16 of the range's magnitude");
   }
-  TORCH_CHECK(cursor.scalar_type() == at::kLong && cursor.numel() == 1,
-              "accumulate_stats: cursor must be a one-element int64 tensor, got ",
-              cursor.scalar_type(), " of shape ", cursor.sizes());
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"x", x},
-                                {"stats", stats},
-                                {"extra", extra},
-                                {"hist", hist},
-                                {"workspace", workspace},
-                                {"cursor", cursor}}) {
-    TORCH_CHECK(t.device() == state.device(), "accumulate_stats: ", name,
-                " must be on the state's device ", state.device(), ", got ", t.device());
+  FASTHOOKS_CHECK(cursor.scalar_type() == ScalarType::Long && cursor.numel() == 1,
+                  "accumulate_stats: cursor must be a one-element int64 tensor, got ",
+                  cursor.scalar_type(), " of shape ", shape_of(cursor));
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"x", &x},
+                                {"stats", &stats},
+                                {"extra", &extra},
+                                {"hist", &hist},
+                                {"workspace", &workspace},
+                                {"cursor", &cursor}}) {
+    FASTHOOKS_CHECK(t->device() == state.device(), "accumulate_stats: ", name,
+                    " must be on the state's device ", device_of(state), ", got ", device_of(*t));
   }
-  TORCH_CHECK(slot >= 0 && slot < modules, "accumulate_stats: slot must be in [0, ", modules,
-              "), got ", slot);
+  FASTHOOKS_CHECK(slot >= 0 && slot < modules, "accumulate_stats: slot must be in [0, ", modules,
+                  "), got ", slot);
   return full;
 }
 

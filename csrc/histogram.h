@@ -3,7 +3,7 @@
 // fasthooks/moments.py follows the same definition.
 #pragma once
 
-#include <c10/macros/Macros.h>
+#include <torch/headeronly/macros/Macros.h>
 
 #include <cmath>
 #include <cstdint>

@@ -2,7 +2,7 @@
 // Shared by the CPU and CUDA kernels; the plane order mirrors fasthooks/layout.py.
 #pragma once
 
-#include <c10/macros/Macros.h>
+#include <torch/headeronly/macros/Macros.h>
 
 #include <cmath>
 #include <cstdint>

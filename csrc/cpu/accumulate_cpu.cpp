@@ -1,6 +1,6 @@
 // CPU kernel of fasthooks::accumulate_stats: one parallel read pass, merged into the state slot.
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <cmath>
 #include <limits>
@@ -41,7 +41,7 @@ Stats dense_stats(const T* p, int64_t n, ChunkFn<T, Acc> kernel, const ChunkPara
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<Stats> parts(chunks);
   std::mutex counts_mutex;
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> rows(rows_size);
     std::vector<int64_t> local(counts.size());
     for (int64_t c = begin; c < end; ++c) {
@@ -83,8 +83,8 @@ Acc guess_margin(const BinTable<Acc>& table, double lo) {
 }
 
 template <typename T, typename Acc>
-void accumulate(const at::Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bool full,
-                const SlotPointers& slot, double near_zero, const at::Tensor& hist,
+void accumulate(const Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bool full,
+                const SlotPointers& slot, double near_zero, const Tensor& hist,
                 int64_t hist_offset, double hist_min, double hist_max) {
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
   std::vector<Acc> lower;  // empty, and no allocation, without a histogram
@@ -95,56 +95,58 @@ void accumulate(const at::Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bo
   const ChunkParams<Acc> params{static_cast<Acc>(near_zero), bins > 0 ? &table : nullptr,
                                 bins > 0 ? guess_margin(table, hist_min) : Acc(0)};
   std::vector<int64_t> counts(bins);
-  const T* p = dense.const_data_ptr<T>();
+  const T* p = static_cast<const T*>(dense.const_data_ptr());
   if (full) {
     merge_into_slot<true>(p, dense.numel(), kernels[1], params, counts, slot);
   } else {
     merge_into_slot<false>(p, dense.numel(), kernels[0], params, counts, slot);
   }
-  int64_t* row = hist.numel() > 0 ? hist.mutable_data_ptr<int64_t>() + hist_offset : nullptr;
+  int64_t* row = hist.numel() > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) + hist_offset : nullptr;
   for (int64_t k = 0; k < bins; ++k) row[k] += counts[k];
 }
 
-void accumulate_stats_cpu(const at::Tensor& x, const at::Tensor& state, const at::Tensor& stats,
-                          const at::Tensor& extra, const at::Tensor& hist,
-                          const at::Tensor& workspace, const at::Tensor& cursor, int64_t slot,
+void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& stats,
+                          const Tensor& extra, const Tensor& hist,
+                          const Tensor& workspace, const Tensor& cursor, int64_t slot,
                           double near_zero, double hist_min, double hist_max) {
   const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
                                           hist_min, hist_max);
-  const int64_t column = *cursor.const_data_ptr<int64_t>();
+  const int64_t column = *static_cast<const int64_t*>(cursor.const_data_ptr());
   const int64_t batches = state.size(2);
-  TORCH_CHECK(column >= 0 && column < batches, "accumulate_stats: cursor must be in [0, ", batches,
+  FASTHOOKS_CHECK(column >= 0 && column < batches, "accumulate_stats: cursor must be in [0, ", batches,
               "), got ", column);
   if (x.numel() == 0) return;
   const int64_t cell = slot * batches + column;
   const int64_t plane = state.size(1) * batches;
-  const SlotPointers at_slot{state.mutable_data_ptr<double>() + cell, plane,
-                             stats.mutable_data_ptr<float>() + cell, plane,
-                             full ? extra.mutable_data_ptr<float>() + cell : nullptr};
+  const SlotPointers at_slot{static_cast<double*>(state.mutable_data_ptr()) + cell, plane,
+                             static_cast<float*>(stats.mutable_data_ptr()) + cell, plane,
+                             full ? static_cast<float*>(extra.mutable_data_ptr()) + cell : nullptr};
   const int64_t hist_offset = hist.numel() > 0 ? cell * hist.size(2) : 0;
   // Statistics ignore element order, so any dense layout (channels_last included) is read in place.
-  const at::Tensor dense = x.is_non_overlapping_and_dense() ? x : x.contiguous();
+  const Tensor dense = is_non_overlapping_and_dense(x) ? x : torch::stable::contiguous(x);
   const ChunkKernels& k = cpu_kernels();
   switch (dense.scalar_type()) {
-    case at::kFloat:
+    case ScalarType::Float:
       return accumulate(dense, k.f32, full, at_slot, near_zero, hist, hist_offset, hist_min,
                         hist_max);
-    case at::kDouble:
+    case ScalarType::Double:
       return accumulate(dense, k.f64, full, at_slot, near_zero, hist, hist_offset, hist_min,
                         hist_max);
-    case at::kHalf:
+    case ScalarType::Half:
       return accumulate(dense, k.f16, full, at_slot, near_zero, hist, hist_offset, hist_min,
                         hist_max);
-    case at::kBFloat16:
+    case ScalarType::BFloat16:
       return accumulate(dense, k.bf16, full, at_slot, near_zero, hist, hist_offset, hist_min,
                         hist_max);
     default:
-      TORCH_CHECK(false, "accumulate_stats: unsupported dtype ", dense.scalar_type());
+      fail("accumulate_stats: unsupported dtype ", dense.scalar_type());
   }
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fasthooks, CPU, m) { m.impl("accumulate_stats", &accumulate_stats_cpu); }
+STABLE_TORCH_LIBRARY_IMPL(fasthooks, CPU, m) {
+  m.impl("accumulate_stats", TORCH_BOX(&accumulate_stats_cpu));
+}
 
 }  // namespace fasthooks

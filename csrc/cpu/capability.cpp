@@ -1,6 +1,6 @@
 #include "capability.h"
 
-#include <c10/util/Exception.h>
+#include "../checks.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -21,8 +21,8 @@ bool cpu_has_avx2() {
 const char* choose_capability() {
   const char* forced = std::getenv("FASTHOOKS_CPU_CAPABILITY");
   if (forced != nullptr && *forced != '\0') {
-    TORCH_CHECK(std::strcmp(forced, "default") == 0 || std::strcmp(forced, "avx2") == 0,
-                "FASTHOOKS_CPU_CAPABILITY must be 'default' or 'avx2', got '", forced, "'");
+    FASTHOOKS_CHECK(std::strcmp(forced, "default") == 0 || std::strcmp(forced, "avx2") == 0,
+                    "FASTHOOKS_CPU_CAPABILITY must be 'default' or 'avx2', got '", forced, "'");
     if (std::strcmp(forced, "default") == 0) return "default";
   }
   return cpu_has_avx2() ? "avx2" : "default";

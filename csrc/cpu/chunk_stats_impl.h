@@ -163,17 +163,17 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
   return s;
 }
 
-inline void bfloat16_to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+inline void bfloat16_to_float(const torch::headeronly::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t bits = static_cast<uint32_t>(src[i].x) << 16;
     std::memcpy(dst + i, &bits, sizeof(bits));
   }
 }
 
-inline void to_accumulator(const c10::Half* src, float* dst, int64_t n) {
+inline void to_accumulator(const torch::headeronly::Half* src, float* dst, int64_t n) {
   half_to_float(src, dst, n);
 }
-inline void to_accumulator(const c10::BFloat16* src, float* dst, int64_t n) {
+inline void to_accumulator(const torch::headeronly::BFloat16* src, float* dst, int64_t n) {
   bfloat16_to_float(src, dst, n);
 }
 
@@ -293,6 +293,6 @@ Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<
 inline ChunkKernels make_kernels() {
   return {{&chunk_stats<float, false>, &chunk_stats<float, true>},
           {&chunk_stats<double, false>, &chunk_stats<double, true>},
-          {&chunk_stats<c10::Half, false>, &chunk_stats<c10::Half, true>},
-          {&chunk_stats<c10::BFloat16, false>, &chunk_stats<c10::BFloat16, true>}};
+          {&chunk_stats<torch::headeronly::Half, false>, &chunk_stats<torch::headeronly::Half, true>},
+          {&chunk_stats<torch::headeronly::BFloat16, false>, &chunk_stats<torch::headeronly::BFloat16, true>}};
 }

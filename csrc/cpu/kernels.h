@@ -1,8 +1,8 @@
 // Per-chunk statistics kernels, one table per instruction set.
 #pragma once
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <cstdint>
 
@@ -30,8 +30,8 @@ constexpr int64_t kHistLanes = 8;
 struct ChunkKernels {
   ChunkFn<float, float> f32[2];
   ChunkFn<double, double> f64[2];
-  ChunkFn<c10::Half, float> f16[2];
-  ChunkFn<c10::BFloat16, float> bf16[2];
+  ChunkFn<torch::headeronly::Half, float> f16[2];
+  ChunkFn<torch::headeronly::BFloat16, float> bf16[2];
 };
 
 extern const ChunkKernels default_kernels;

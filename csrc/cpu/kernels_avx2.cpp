@@ -16,7 +16,7 @@
 namespace fasthooks {
 namespace avx2 {
 
-inline void half_to_float(const c10::Half* src, float* dst, int64_t n) {
+inline void half_to_float(const torch::headeronly::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));

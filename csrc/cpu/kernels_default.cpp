@@ -8,7 +8,7 @@
 namespace fasthooks {
 namespace portable {
 
-inline void half_to_float(const c10::Half* src, float* dst, int64_t n) {
+inline void half_to_float(const torch::headeronly::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 

@@ -7,14 +7,16 @@
 // device-side cursor, writes the finalised statistics and resets the finished-blocks counter for
 // the next call. Histograms are counted per block in shared memory, with one atomic per group of
 // lanes that share a bin, and added to the slot's row at the end of the block.
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/macros/Macros.h>
-#include <torch/library.h>
+#include <cuda_runtime.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/headeronly/macros/Macros.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "../checks.h"
@@ -37,6 +39,43 @@ template <typename T>
 struct alignas(kVecBytes) Vec {
   T val[kVecBytes / sizeof(T)];
 };
+
+// Half and bfloat16 values are summed in float, as torch's own reductions do.
+template <typename T>
+struct Accumulator {
+  using type = float;
+};
+template <>
+struct Accumulator<double> {
+  using type = double;
+};
+
+void check_cuda(cudaError_t status, const char* what) {
+  FASTHOOKS_CHECK(status == cudaSuccess, "accumulate_stats: ", what, ": ",
+                  cudaGetErrorString(status));
+}
+
+// Multiprocessors of a device, asked once per device.
+int64_t multiprocessors(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> counts[kMaxDevices] = {};
+  FASTHOOKS_CHECK(device >= 0 && device < kMaxDevices, "accumulate_stats: CUDA device index ",
+                  device, " out of range");
+  int count = counts[device].load(std::memory_order_relaxed);
+  if (count == 0) {
+    check_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device),
+               "reading the multiprocessor count");
+    counts[device].store(count, std::memory_order_relaxed);
+  }
+  return count;
+}
+
+cudaStream_t current_stream(int device) {
+  void* stream = nullptr;
+  FASTHOOKS_CHECK(aoti_torch_get_current_cuda_stream(device, &stream) == AOTI_TORCH_SUCCESS,
+                  "accumulate_stats: could not get the current CUDA stream of device ", device);
+  return static_cast<cudaStream_t>(stream);
+}
 
 struct Buffers {
   double* state;
@@ -253,36 +292,36 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T, bool Full, bool Hist>
-void launch(const at::Tensor& dense, const Buffers& buffers, int64_t max_blocks) {
-  using Acc = at::opmath_type<T>;
+void launch(const Tensor& dense, const Buffers& buffers, int64_t max_blocks) {
+  using Acc = typename Accumulator<T>::type;
   const auto kernel = accumulate_stats_kernel<T, Acc, Full, Hist>;
   const size_t shared_bytes =
       Hist ? (kMaxBins + 1) * sizeof(Acc) + kMaxBins * sizeof(unsigned int) : 0;
   // As many blocks as can be resident at once: the grid-stride loop covers the rest.
   static const int blocks_per_sm = [&] {
     int blocks = 0;
-    C10_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, shared_bytes));
+    check_cuda(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, shared_bytes),
+        "reading the kernel's occupancy");
     return blocks;
   }();
   const int64_t n = dense.numel();
   const int64_t per_block = static_cast<int64_t>(kThreads) * (kVecBytes / sizeof(T));
-  const int64_t resident =
-      static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
-      blocks_per_sm;
+  const int device = dense.get_device_index();
+  const int64_t resident = multiprocessors(device) * blocks_per_sm;
   int64_t blocks = (n + per_block - 1) / per_block;
   blocks = blocks < resident ? blocks : resident;
   blocks = blocks < max_blocks ? blocks : max_blocks;
 
-  const T* x = dense.const_data_ptr<T>();
+  const T* x = static_cast<const T*>(dense.const_data_ptr());
   const bool vectorised = reinterpret_cast<uintptr_t>(x) % kVecBytes == 0;
-  kernel<<<static_cast<int>(blocks), kThreads, shared_bytes, at::cuda::getCurrentCUDAStream()>>>(
+  kernel<<<static_cast<int>(blocks), kThreads, shared_bytes, current_stream(device)>>>(
       x, n, vectorised, buffers);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  check_cuda(cudaGetLastError(), "kernel launch");
 }
 
 template <typename T>
-void dispatch(const at::Tensor& dense, const Buffers& buffers, bool full, int64_t max_blocks) {
+void dispatch(const Tensor& dense, const Buffers& buffers, bool full, int64_t max_blocks) {
   const bool hist = buffers.bins > 0;
   if (full && hist) return launch<T, true, true>(dense, buffers, max_blocks);
   if (full) return launch<T, true, false>(dense, buffers, max_blocks);
@@ -290,29 +329,30 @@ void dispatch(const at::Tensor& dense, const Buffers& buffers, bool full, int64_
   launch<T, false, false>(dense, buffers, max_blocks);
 }
 
-void accumulate_stats_cuda(const at::Tensor& x, const at::Tensor& state, const at::Tensor& stats,
-                           const at::Tensor& extra, const at::Tensor& hist,
-                           const at::Tensor& workspace, const at::Tensor& cursor, int64_t slot,
-                           double near_zero, double hist_min, double hist_max) {
+void accumulate_stats_cuda(const Tensor& x, const Tensor& state, const Tensor& stats,
+                           const Tensor& extra, const Tensor& hist, const Tensor& workspace,
+                           const Tensor& cursor, int64_t slot, double near_zero, double hist_min,
+                           double hist_max) {
   const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
                                           hist_min, hist_max);
   const int64_t max_blocks = (workspace.numel() - 1) / kPartials;
-  TORCH_CHECK(
-      workspace.scalar_type() == at::kDouble && workspace.is_contiguous() && max_blocks >= 1,
+  FASTHOOKS_CHECK(
+      workspace.scalar_type() == ScalarType::Double && workspace.is_contiguous() &&
+          max_blocks >= 1,
       "accumulate_stats: workspace must be a zeroed contiguous float64 tensor of at least ",
       kPartials + 1, " elements on CUDA, got ", workspace.scalar_type(), " of shape ",
-      workspace.sizes());
+      shape_of(workspace));
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
-  TORCH_CHECK(bins <= kMaxBins, "accumulate_stats: at most ", kMaxBins, " bins on CUDA, got ",
-              bins);
+  FASTHOOKS_CHECK(bins <= kMaxBins, "accumulate_stats: at most ", kMaxBins,
+                  " bins on CUDA, got ", bins);
   if (x.numel() == 0) return;
-  const c10::cuda::CUDAGuard guard(x.device());
-  double* partials = workspace.mutable_data_ptr<double>();
-  const Buffers buffers{state.mutable_data_ptr<double>(),
-                        stats.mutable_data_ptr<float>(),
-                        full ? extra.mutable_data_ptr<float>() : nullptr,
-                        bins > 0 ? hist.mutable_data_ptr<int64_t>() : nullptr,
-                        cursor.const_data_ptr<int64_t>(),
+  const torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
+  double* partials = static_cast<double*>(workspace.mutable_data_ptr());
+  const Buffers buffers{static_cast<double*>(state.mutable_data_ptr()),
+                        static_cast<float*>(stats.mutable_data_ptr()),
+                        full ? static_cast<float*>(extra.mutable_data_ptr()) : nullptr,
+                        bins > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) : nullptr,
+                        static_cast<const int64_t*>(cursor.const_data_ptr()),
                         partials,
                         reinterpret_cast<unsigned int*>(partials + kPartials * max_blocks),
                         slot,
@@ -323,14 +363,25 @@ void accumulate_stats_cuda(const at::Tensor& x, const at::Tensor& state, const a
                         hist_min,
                         hist_max};
   // Statistics ignore element order, so any dense layout (channels_last included) is read in place.
-  const at::Tensor dense = x.is_non_overlapping_and_dense() ? x : x.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dense.scalar_type(),
-                                  "accumulate_stats_cuda",
-                                  [&] { dispatch<scalar_t>(dense, buffers, full, max_blocks); });
+  const Tensor dense = is_non_overlapping_and_dense(x) ? x : torch::stable::contiguous(x);
+  switch (dense.scalar_type()) {
+    case ScalarType::Float:
+      return dispatch<float>(dense, buffers, full, max_blocks);
+    case ScalarType::Double:
+      return dispatch<double>(dense, buffers, full, max_blocks);
+    case ScalarType::Half:
+      return dispatch<torch::headeronly::Half>(dense, buffers, full, max_blocks);
+    case ScalarType::BFloat16:
+      return dispatch<torch::headeronly::BFloat16>(dense, buffers, full, max_blocks);
+    default:
+      fail("accumulate_stats: unsupported dtype ", dense.scalar_type());
+  }
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fasthooks, CUDA, m) { m.impl("accumulate_stats", &accumulate_stats_cuda); }
+STABLE_TORCH_LIBRARY_IMPL(fasthooks, CUDA, m) {
+  m.impl("accumulate_stats", TORCH_BOX(&accumulate_stats_cuda));
+}
 
 }  // namespace fasthooks
