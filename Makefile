@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 CUDA_VENV := .venv-cuda
 CUDA_LIB := build/cuda/lib
+WHEEL_CHECK := build/wheel-check
 # The CPU build of torch for everyday use; the CUDA build only to compile and load the CUDA kernels.
 TORCH_CPU := torch==2.13.0
 TORCH_CUDA := torch==2.14.1
@@ -18,7 +19,7 @@ FASTAI_DEPS := fastcore fastdownload fastprogress fasttransform plum-dispatch re
 PIP_FILTER := { grep -v "is neither a file nor a directory" || true; }
 CUDA_ARCHS ?= 8.0;9.0
 
-.PHONY: setup build install demo test test-cpu test-cuda-build lint bench bench-train bench-quick clean
+.PHONY: setup build install demo test test-cpu test-cuda-build test-wheel wheel lint bench bench-train bench-quick clean
 
 $(VENV)/.ready: Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -64,7 +65,21 @@ test-cuda-build: $(CUDA_VENV)/.ready
 	PYTHONPATH=$(CUDA_LIB) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_CUDA_KERNEL=1 \
 		$(CUDA_VENV)/bin/pytest -p no:cacheprovider
 
-test: lint test-cpu test-cuda-build
+# One abi3 wheel for this platform, built against the CPU torch; it serves every torch >= 2.10.
+wheel: $(VENV)/.ready
+	rm -rf dist build/lib.* build/bdist.*
+	$(VENV)/bin/pip wheel $(PIP_QUIET) --no-build-isolation --no-deps -w dist . 2>&1 | $(PIP_FILTER)
+
+# That wheel installed beside another torch (2.14.1, whose CUDA build runs on the CPU too): the
+# suite's CPU tests there, with the extension required to load.
+test-wheel: wheel $(CUDA_VENV)/.ready
+	rm -rf $(WHEEL_CHECK)
+	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) --no-deps --target $(WHEEL_CHECK) \
+		dist/fasthooks-*-abi3-*.whl 2>&1 | $(PIP_FILTER)
+	PYTHONPATH=$(WHEEL_CHECK) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_WHEEL_DIR=$(WHEEL_CHECK) \
+		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU:torch==%=%) $(CUDA_VENV)/bin/pytest -p no:cacheprovider
+
+test: lint test-cpu test-wheel test-cuda-build
 
 bench: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/op_throughput.py --out results/op_throughput
@@ -76,4 +91,4 @@ bench-quick: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/training_overhead.py --quick --out results/training_quick
 
 clean:
-	rm -rf build results fasthooks/_C*.so
+	rm -rf build dist results fasthooks/_C*.so

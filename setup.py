@@ -90,16 +90,16 @@ def extension_build():
         return [], {}
     try:
         import torch
-        from torch.utils import cpp_extension
     except ImportError as error:
         raise SystemExit(NO_TORCH.format(error=error)) from None
-
     if _torch_version(torch.__version__) < MIN_STABLE_ABI_TORCH:
         _say(
             f"torch {torch.__version__} predates the stable ABI (torch >= 2.10) that fasthooks._C "
             "is built on: pure-Python install; ActivationStats uses backend='python'"
         )
         return [], {}
+    from torch.utils import cpp_extension
+
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
     # Only torch's stable C ABI and header-only types, so the binary loads under any later torch.
     target = f"-DTORCH_TARGET_VERSION={STABLE_ABI_TARGET:#x}"

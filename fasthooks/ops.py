@@ -7,6 +7,7 @@ shown when the fused backend is asked for.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import warnings
 from collections.abc import Callable
 
@@ -25,8 +26,31 @@ BUILD_HINT = (
 )
 
 
+# fasthooks._C uses torch's stable ABI only, which torch provides from this version on.
+MIN_TORCH = (2, 10)
+UPGRADE_HINT = "upgrade torch to 2.10 or later"
+
+
+def torch_version(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string.
+
+    Example:
+        >>> torch_version("2.9.1+cu128")
+        (2, 9)
+    """
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 def _load_extension() -> str | None:
     """Import fasthooks._C (which registers the torch.ops.fasthooks operators); the error if not."""
+    if torch_version(torch.__version__) < MIN_TORCH:
+        if importlib.util.find_spec("fasthooks._C") is None:
+            return "ModuleNotFoundError: no fasthooks._C"
+        return (
+            f"fasthooks._C is built on torch's stable ABI, which needs torch >= 2.10; "
+            f"this is torch {torch.__version__}"
+        )
     try:
         importlib.import_module("fasthooks._C")
     except (ImportError, OSError) as error:
@@ -35,6 +59,7 @@ def _load_extension() -> str | None:
 
 
 _LOAD_ERROR = _load_extension()
+_HINT = UPGRADE_HINT if torch_version(torch.__version__) < MIN_TORCH else BUILD_HINT
 
 if _LOAD_ERROR is None:
 
@@ -112,7 +137,7 @@ def _require_extension() -> None:
     if _LOAD_ERROR is not None:
         raise RuntimeError(
             f"the fused backend needs the compiled extension fasthooks._C, which did not load "
-            f"({_LOAD_ERROR}); {BUILD_HINT}, or use backend='python'"
+            f"({_LOAD_ERROR}); {_HINT}, or use backend='python'"
         )
 
 
@@ -128,7 +153,7 @@ def _warn_broken_extension() -> None:
     warnings.warn(
         f"fasthooks._C is installed but did not load ({_LOAD_ERROR}); ActivationStats uses the "
         f"python backend, which gives the same numbers more slowly. To use the fused backend, "
-        f"{BUILD_HINT}",
+        f"{_HINT}",
         RuntimeWarning,
         stacklevel=4,
     )

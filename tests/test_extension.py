@@ -1,6 +1,9 @@
 """Loading the extension: soft when missing, and the kernels each build promises."""
 
+import importlib.util
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -105,11 +108,75 @@ def test_an_extension_that_fails_to_load_warns_once_and_falls_back():
     assert refusal.startswith("refused: the fused backend needs the compiled extension")
 
 
-def _setup_py(tmp_path, **env):
-    """Runs `setup.py --name` where importing torch fails, as in an isolated pip build."""
+OLD_TORCH = """
+import warnings
+import torch
+torch.__version__ = "2.9.1"  # before fasthooks looks at it
+import fasthooks
+from fasthooks import ActivationStats
+print(fasthooks.extension_error())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    backends = [ActivationStats(torch.nn.Linear(2, 2)).backend for _ in range(2)]
+print(backends, len(caught))
+try:
+    ActivationStats(torch.nn.Linear(2, 2), backend="fused")
+except RuntimeError as error:
+    print("refused:", error)
+"""
+
+
+@FUSED
+def test_under_torch_older_than_its_abi_the_extension_is_left_alone():
+    out = _python(OLD_TORCH)
+    error, counts, refusal = out.stdout.splitlines()
+    assert error == (
+        "fasthooks._C is built on torch's stable ABI, which needs torch >= 2.10; "
+        "this is torch 2.9.1"
+    )
+    assert counts == "['python', 'python'] 1"
+    assert refusal.startswith("refused: the fused backend needs the compiled extension")
+    assert refusal.endswith("upgrade torch to 2.10 or later, or use backend='python'")
+
+
+@FUSED
+def test_the_extension_links_torch_through_its_stable_c_abi_only():
+    nm = shutil.which("nm")
+    assert nm is not None, "nm (binutils) is needed to list the extension's symbols"
+    origin = importlib.util.find_spec("fasthooks._C").origin
+    assert origin.endswith(".abi3.so"), origin
+    listing = subprocess.run(
+        [nm, "-D", "--undefined-only", "--demangle", origin],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    symbols = [line.strip()[2:] for line in listing.splitlines() if line.strip().startswith("U ")]
+    cpp_of_torch = [s for s in symbols if re.search(r"\b(c10|at|torch|caffe2)::", s)]
+    assert cpp_of_torch == []
+    # What it does use: the stable C shim, for registration and tensors.
+    assert {"aoti_torch_library_init_def", "torch_library_impl"} <= set(symbols)
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FASTHOOKS_WHEEL_DIR"),
+    reason="only for the wheel installed beside another torch (FASTHOOKS_WHEEL_DIR, make test)",
+)
+def test_the_wheel_built_against_another_torch_loads_here():
+    built_with = os.environ["FASTHOOKS_WHEEL_BUILT_WITH"]
+    assert fasthooks.extension_available(), fasthooks.extension_error()
+    assert torch.__version__.split("+")[0] != built_with
+    origin = importlib.util.find_spec("fasthooks._C").origin
+    assert origin.startswith(os.path.abspath(os.environ["FASTHOOKS_WHEEL_DIR"])), origin
+    assert origin.endswith(".abi3.so")
+
+
+def _setup_py(tmp_path, torch_init="raise ImportError('No module named torch')\n", **env):
+    """Runs `setup.py --name` with a stand-in torch (by default one that fails to import, as in
+    an isolated pip build)."""
     fake = tmp_path / "torch"
     fake.mkdir()
-    (fake / "__init__.py").write_text("raise ImportError('No module named torch')\n")
+    (fake / "__init__.py").write_text(torch_init)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return subprocess.run(
         [sys.executable, "setup.py", "--name"],
@@ -132,3 +199,10 @@ def test_the_pure_python_build_needs_no_torch(tmp_path):
     run = _setup_py(tmp_path, FASTHOOKS_NO_EXT="1")
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "fasthooks"
+
+
+def test_torch_older_than_its_abi_installs_the_pure_python_package(tmp_path):
+    run = _setup_py(tmp_path, torch_init="__version__ = '2.9.1'\n")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "fasthooks"
+    assert "torch 2.9.1 predates the stable ABI (torch >= 2.10)" in run.stderr
