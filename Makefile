@@ -19,7 +19,7 @@ FASTAI_DEPS := fastcore fastdownload fastprogress fasttransform plum-dispatch re
 PIP_FILTER := { grep -v "is neither a file nor a directory" || true; }
 CUDA_ARCHS ?= 8.0;9.0
 
-.PHONY: setup build install demo test test-cpu test-cuda-build test-wheel wheel lint bench bench-train bench-quick clean
+.PHONY: setup build install demo test test-cpu test-cuda-build test-wheel wheel lint bench bench-train bench-quick bench-abi clean
 
 $(VENV)/.ready: Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -89,6 +89,17 @@ bench-train: build
 
 bench-quick: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/training_overhead.py --quick --out results/training_quick
+
+# The same kernels on torch's C++ API (the last commit before the stable-ABI port), built here.
+CPP_API_COMMIT := 1eca956721744daf40780b29a1653acec0e765a9
+CPP_API_BUILD := build/cpp-api
+
+bench-abi: build
+	rm -rf $(CPP_API_BUILD) && mkdir -p $(CPP_API_BUILD)
+	git archive $(CPP_API_COMMIT) | tar -x -C $(CPP_API_BUILD)
+	cd $(CPP_API_BUILD) && $(CURDIR)/$(VENV)/bin/python setup.py -q build_ext --inplace
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/abi_compare.py \
+		--baseline $(CPP_API_BUILD) --out results/abi_compare
 
 clean:
 	rm -rf build dist results fasthooks/_C*.so

@@ -13,19 +13,24 @@
 namespace fasthooks {
 namespace {
 
+std::string shape_string(std::initializer_list<int64_t> shape) {
+  std::ostringstream out;
+  out << "[";
+  for (const int64_t* s = shape.begin(); s != shape.end(); ++s) {
+    out << (s == shape.begin() ? "" : ", ") << *s;
+  }
+  out << "]";
+  return out.str();
+}
+
 void check_buffer(const Tensor& t, const char* name, ScalarType dtype,
                   std::initializer_list<int64_t> shape) {
   const auto sizes = t.sizes();
   const bool same_shape = std::equal(sizes.begin(), sizes.end(), shape.begin(), shape.end());
-  std::ostringstream want;
-  want << "[";
-  for (const int64_t* s = shape.begin(); s != shape.end(); ++s) {
-    want << (s == shape.begin() ? "" : ", ") << *s;
-  }
-  want << "]";
+  // The message is formatted only on failure: these checks run on every hooked call.
   FASTHOOKS_CHECK(t.scalar_type() == dtype && same_shape && t.is_contiguous(), "accumulate_stats: ",
-                  name, " must be a contiguous ", dtype, " tensor of shape ", want.str(), ", got ",
-                  t.scalar_type(), " of shape ", shape_of(t));
+                  name, " must be a contiguous ", dtype, " tensor of shape ", shape_string(shape),
+                  ", got ", t.scalar_type(), " of shape ", shape_of(t));
 }
 
 }  // namespace
@@ -46,6 +51,7 @@ std::string device_of(const Tensor& t) {
 }
 
 bool is_non_overlapping_and_dense(const Tensor& t) {
+  if (t.is_contiguous()) return true;
   const int64_t dims = t.dim();
   std::vector<int64_t> order(dims);
   std::iota(order.begin(), order.end(), 0);
@@ -102,13 +108,14 @@ bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& s
   FASTHOOKS_CHECK(cursor.scalar_type() == ScalarType::Long && cursor.numel() == 1,
                   "accumulate_stats: cursor must be a one-element int64 tensor, got ",
                   cursor.scalar_type(), " of shape ", shape_of(cursor));
+  const auto device = state.device();
   for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"x", &x},
                                 {"stats", &stats},
                                 {"extra", &extra},
                                 {"hist", &hist},
                                 {"workspace", &workspace},
                                 {"cursor", &cursor}}) {
-    FASTHOOKS_CHECK(t->device() == state.device(), "accumulate_stats: ", name,
+    FASTHOOKS_CHECK(t->device() == device, "accumulate_stats: ", name,
                     " must be on the state's device ", device_of(state), ", got ", device_of(*t));
   }
   FASTHOOKS_CHECK(slot >= 0 && slot < modules, "accumulate_stats: slot must be in [0, ", modules,

@@ -1,0 +1,123 @@
+"""The stable-ABI build of the operator against a build of the same kernels on torch's C++ API.
+
+Two builds cannot register the same operator in one process, so each runs in a worker process
+of its own; the parent asks them for one timing round at a time, alternating which goes first,
+so that machine drift hits both alike. Both also compute the statistics of the same seeded
+tensors, which must agree bit for bit. Writes results.md and results.json to --out.
+    python benchmarks/abi_compare.py --baseline DIR --out results/abi_compare
+where DIR holds a fasthooks package built with the C++ API (`make bench-abi` prepares one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from timing import machine_line, markdown_table, time_call
+
+# (name, shape, every extra, histogram bins): a hook's small call and conv-sized activations.
+CASES = [
+    ("64x512, mean+std", (64, 512), False, 0),
+    ("64x512, every extra + hist", (64, 512), True, 40),
+    ("64x64x28x28, mean+std", (64, 64, 28, 28), False, 0),
+    ("64x64x28x28, every extra + hist", (64, 64, 28, 28), True, 40),
+    ("64x64x56x56, mean+std", (64, 64, 56, 56), False, 0),
+]
+
+
+def _calls(shape: tuple[int, ...]) -> int:
+    elements = 1
+    for s in shape:
+        elements *= s
+    return max(5, int(2e7 // elements))
+
+
+def worker() -> None:
+    """Answers each line on stdin ("round" or "values") with one JSON line on stdout."""
+    import torch
+
+    from fasthooks.buffers import StatBuffers
+    from fasthooks.ops import accumulate_stats
+
+    generator = torch.Generator().manual_seed(0)
+    calls = {}
+    for name, shape, full, bins in CASES:
+        x = torch.randn(shape, generator=generator).relu_()
+        buffers = StatBuffers(1, 1, "cpu", full=full, hist_bins=bins)
+        args = buffers.op_args()
+        calls[name] = (lambda x=x, args=args: accumulate_stats(x, *args, 0, 0.05, 0.0, 10.0), args)
+        calls[name][0]()  # warm-up
+    for line in sys.stdin:
+        if line.strip() == "round":
+            out = {name: time_call(calls[name][0], _calls(shape)) for name, shape, _, _ in CASES}
+        else:
+            out = {name: [t.flatten().tolist() for t in args[:4]] for name, (_, args) in calls.items()}
+        print(json.dumps(out), flush=True)
+
+
+def _start(package_root: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, str(Path(__file__).parent)])}
+    return subprocess.Popen(
+        [sys.executable, __file__, "--worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _ask(process: subprocess.Popen, request: str) -> dict:
+    process.stdin.write(request + "\n")
+    process.stdin.flush()
+    return json.loads(process.stdout.readline())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", help="a fasthooks package root built on torch's C++ API")
+    parser.add_argument("--out", type=Path, default=Path("results/abi_compare"))
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker()
+        return
+    builds = {
+        "stable ABI": _start(str(Path(__file__).resolve().parents[1])),
+        "C++ API": _start(args.baseline),
+    }
+    samples: dict[str, dict[str, list[float]]] = {b: {c[0]: [] for c in CASES} for b in builds}
+    for r in range(args.rounds):
+        order = list(builds) if r % 2 == 0 else list(builds)[::-1]
+        for build in order:
+            for case, seconds in _ask(builds[build], "round").items():
+                samples[build][case].append(seconds)
+    values = {build: _ask(process, "values") for build, process in builds.items()}
+    for process in builds.values():
+        process.stdin.close()
+        process.wait()
+    same = values["stable ABI"] == values["C++ API"]
+    rows, results = [], {"machine": machine_line(), "same_numbers": same, "cases": {}}
+    for case, *_ in CASES:
+        stable = statistics.median(samples["stable ABI"][case])
+        classic = statistics.median(samples["C++ API"][case])
+        results["cases"][case] = {"stable_s": stable, "cpp_api_s": classic}
+        rows.append([case, f"{classic * 1e6:.1f}", f"{stable * 1e6:.1f}", f"{stable / classic:.2f}"])
+    table = markdown_table(["call", "C++ API us", "stable ABI us", "stable / C++ API"], rows)
+    report = (
+        f"Machine: {machine_line()}. Median of {args.rounds} interleaved rounds per build.\n\n"
+        f"{table}\n\nSame numbers in every buffer, bit for bit: {'yes' if same else 'NO'}.\n"
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.md").write_text(report)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
