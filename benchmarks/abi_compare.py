@@ -56,7 +56,9 @@ def worker() -> None:
         if line.strip() == "round":
             out = {name: time_call(calls[name][0], _calls(shape)) for name, shape, _, _ in CASES}
         else:
-            out = {name: [t.flatten().tolist() for t in args[:4]] for name, (_, args) in calls.items()}
+            out = {
+                name: [t.flatten().tolist() for t in args[:4]] for name, (_, args) in calls.items()
+            }
         print(json.dumps(out), flush=True)
 
 
@@ -107,7 +109,9 @@ def main() -> None:
         stable = statistics.median(samples["stable ABI"][case])
         classic = statistics.median(samples["C++ API"][case])
         results["cases"][case] = {"stable_s": stable, "cpp_api_s": classic}
-        rows.append([case, f"{classic * 1e6:.1f}", f"{stable * 1e6:.1f}", f"{stable / classic:.2f}"])
+        rows.append(
+            [case, f"{classic * 1e6:.1f}", f"{stable * 1e6:.1f}", f"{stable / classic:.2f}"]
+        )
     table = markdown_table(["call", "C++ API us", "stable ABI us", "stable / C++ API"], rows)
     report = (
         f"Machine: {machine_line()}. Median of {args.rounds} interleaved rounds per build.\n\n"

@@ -28,9 +28,9 @@ void check_buffer(const Tensor& t, const char* name, ScalarType dtype,
   const auto sizes = t.sizes();
   const bool same_shape = std::equal(sizes.begin(), sizes.end(), shape.begin(), shape.end());
   // The message is formatted only on failure: these checks run on every hooked call.
-  FASTHOOKS_CHECK(t.scalar_type() == dtype && same_shape && t.is_contiguous(), "accumulate_stats: ",
-                  name, " must be a contiguous ", dtype, " tensor of shape ", shape_string(shape),
-                  ", got ", t.scalar_type(), " of shape ", shape_of(t));
+  FASTHOOKS_CHECK(t.scalar_type() == dtype && same_shape && t.is_contiguous(),
+                  "accumulate_stats: ", name, " must be a contiguous ", dtype, " tensor of shape ",
+                  shape_string(shape), ", got ", t.scalar_type(), " of shape ", shape_of(t));
 }
 
 }  // namespace
@@ -101,8 +101,8 @@ bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& s
                     "accumulate_stats: hist_min and hist_max must be finite with hist_min < "
                     "hist_max, got ",
                     hist_min, " and ", hist_max);
-    FASTHOOKS_CHECK(bins_resolvable(hist.size(2), hist_min, hist_max), "accumulate_stats: ",
-                    hist.size(2), " bins over [", hist_min, ", ", hist_max,
+    FASTHOOKS_CHECK(bins_resolvable(hist.size(2), hist_min, hist_max),
+                    "accumulate_stats: ", hist.size(2), " bins over [", hist_min, ", ", hist_max,
                     "] are narrower than 2^-16 of the range's magnitude");
   }
   FASTHOOKS_CHECK(cursor.scalar_type() == ScalarType::Long && cursor.numel() == 1,

@@ -21,9 +21,9 @@ template <typename... Args>
   throw std::runtime_error(message.str());
 }
 
-#define FASTHOOKS_CHECK(cond, ...)                 \
-  do {                                             \
-    if (!(cond)) ::fasthooks::fail(__VA_ARGS__);   \
+#define FASTHOOKS_CHECK(cond, ...)               \
+  do {                                           \
+    if (!(cond)) ::fasthooks::fail(__VA_ARGS__); \
   } while (false)
 
 std::string shape_of(const Tensor& t);

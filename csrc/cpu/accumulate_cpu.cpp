@@ -84,8 +84,8 @@ Acc guess_margin(const BinTable<Acc>& table, double lo) {
 
 template <typename T, typename Acc>
 void accumulate(const Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bool full,
-                const SlotPointers& slot, double near_zero, const Tensor& hist,
-                int64_t hist_offset, double hist_min, double hist_max) {
+                const SlotPointers& slot, double near_zero, const Tensor& hist, int64_t hist_offset,
+                double hist_min, double hist_max) {
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
   std::vector<Acc> lower;  // empty, and no allocation, without a histogram
   for (int64_t k = 0; bins > 0 && k <= bins; ++k) {
@@ -101,20 +101,21 @@ void accumulate(const Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bool f
   } else {
     merge_into_slot<false>(p, dense.numel(), kernels[0], params, counts, slot);
   }
-  int64_t* row = hist.numel() > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) + hist_offset : nullptr;
+  int64_t* row =
+      hist.numel() > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) + hist_offset : nullptr;
   for (int64_t k = 0; k < bins; ++k) row[k] += counts[k];
 }
 
 void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& stats,
-                          const Tensor& extra, const Tensor& hist,
-                          const Tensor& workspace, const Tensor& cursor, int64_t slot,
-                          double near_zero, double hist_min, double hist_max) {
+                          const Tensor& extra, const Tensor& hist, const Tensor& workspace,
+                          const Tensor& cursor, int64_t slot, double near_zero, double hist_min,
+                          double hist_max) {
   const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
                                           hist_min, hist_max);
   const int64_t column = *static_cast<const int64_t*>(cursor.const_data_ptr());
   const int64_t batches = state.size(2);
-  FASTHOOKS_CHECK(column >= 0 && column < batches, "accumulate_stats: cursor must be in [0, ", batches,
-              "), got ", column);
+  FASTHOOKS_CHECK(column >= 0 && column < batches, "accumulate_stats: cursor must be in [0, ",
+                  batches, "), got ", column);
   if (x.numel() == 0) return;
   const int64_t cell = slot * batches + column;
   const int64_t plane = state.size(1) * batches;

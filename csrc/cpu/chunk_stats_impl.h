@@ -291,8 +291,10 @@ Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<
 }
 
 inline ChunkKernels make_kernels() {
-  return {{&chunk_stats<float, false>, &chunk_stats<float, true>},
-          {&chunk_stats<double, false>, &chunk_stats<double, true>},
-          {&chunk_stats<torch::headeronly::Half, false>, &chunk_stats<torch::headeronly::Half, true>},
-          {&chunk_stats<torch::headeronly::BFloat16, false>, &chunk_stats<torch::headeronly::BFloat16, true>}};
+  return {
+      {&chunk_stats<float, false>, &chunk_stats<float, true>},
+      {&chunk_stats<double, false>, &chunk_stats<double, true>},
+      {&chunk_stats<torch::headeronly::Half, false>, &chunk_stats<torch::headeronly::Half, true>},
+      {&chunk_stats<torch::headeronly::BFloat16, false>,
+       &chunk_stats<torch::headeronly::BFloat16, true>}};
 }

@@ -337,14 +337,13 @@ void accumulate_stats_cuda(const Tensor& x, const Tensor& state, const Tensor& s
                                           hist_min, hist_max);
   const int64_t max_blocks = (workspace.numel() - 1) / kPartials;
   FASTHOOKS_CHECK(
-      workspace.scalar_type() == ScalarType::Double && workspace.is_contiguous() &&
-          max_blocks >= 1,
+      workspace.scalar_type() == ScalarType::Double && workspace.is_contiguous() && max_blocks >= 1,
       "accumulate_stats: workspace must be a zeroed contiguous float64 tensor of at least ",
       kPartials + 1, " elements on CUDA, got ", workspace.scalar_type(), " of shape ",
       shape_of(workspace));
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
-  FASTHOOKS_CHECK(bins <= kMaxBins, "accumulate_stats: at most ", kMaxBins,
-                  " bins on CUDA, got ", bins);
+  FASTHOOKS_CHECK(bins <= kMaxBins, "accumulate_stats: at most ", kMaxBins, " bins on CUDA, got ",
+                  bins);
   if (x.numel() == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   double* partials = static_cast<double*>(workspace.mutable_data_ptr());
