@@ -63,3 +63,23 @@ def reference_stats(batches: list[list[torch.Tensor]]) -> torch.Tensor:
         for m, output in enumerate(outputs):
             out[:, m, b] = torch.tensor(reference_moments(output))
     return out
+
+
+def record_steps(model, steps, **options):
+    """The reference for a callback: `ActivationStats(model, backend="python")` with each step's
+    inputs run at once, one column per step (the model must be in training mode)."""
+    whole = fasthooks.ActivationStats(model, backend="python", **options)
+    with whole:
+        for step in steps:
+            model(step)
+            whole.on_batch_end(train=True)
+    return whole
+
+
+def assert_same_recording(got, want) -> None:
+    """Two ActivationStats recorded the same statistics (within float32 rounding)."""
+    torch.testing.assert_close(got.stats, want.stats, rtol=1e-6, atol=1e-7)
+    for name, values in want.extra.items():
+        torch.testing.assert_close(got.extra[name], values, rtol=1e-5, atol=1e-7, msg=name)
+    if want.hist_bins:
+        assert torch.equal(got.hist, want.hist)

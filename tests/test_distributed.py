@@ -79,13 +79,7 @@ def _record_fully_sharded(rank: int) -> dict[str, torch.Tensor]:
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer)
     fully_shard(model)
-    act = ActivationStats(model, **OPTIONS)
-    with act:
-        for x, split in zip(_batches(), SPLITS[:2], strict=False):
-            start = sum(split[:rank])
-            model(x[start : start + split[rank]]).sum().backward()
-            act.on_batch_end(train=True)
-    act.all_reduce()
+    act = _record_shards(model, ActivationStats(model, **OPTIONS), rank)
     return {"modules": len(act.module_names), **_recorded(act)}
 
 
@@ -98,13 +92,19 @@ def _record_flat_parameters(rank: int) -> dict[str, Any]:
         with ActivationStats(wrapped, backend="python"):
             pass
     act = ActivationStats(wrapped, modules=[model[0], model[2], model[4]], **OPTIONS)
+    _record_shards(wrapped, act, rank)
+    return {"warnings": [str(w.message) for w in caught], **_recorded(act)}
+
+
+def _record_shards(model: nn.Module, act: ActivationStats, rank: int) -> ActivationStats:
+    """This rank's shard of the first two batches, then every rank's statistics merged."""
     with act:
         for x, split in zip(_batches(), SPLITS[:2], strict=False):
             start = sum(split[:rank])
-            wrapped(x[start : start + split[rank]]).sum().backward()
+            model(x[start : start + split[rank]]).sum().backward()
             act.on_batch_end(train=True)
     act.all_reduce()
-    return {"warnings": [str(w.message) for w in caught], **_recorded(act)}
+    return act
 
 
 def _free_port() -> int:
