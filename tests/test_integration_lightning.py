@@ -41,18 +41,19 @@ def _data() -> TensorDataset:
     return TensorDataset(torch.randn(ROWS, 4, generator=generator), torch.randn(ROWS, 2))
 
 
-def _fit(callback, module=None, **trainer_args):
+def _fit(callback, module=None, checkpoints=None, ckpt_path=None, **trainer_args):
     module = module or Tiny()
     options = {
         "max_epochs": 2,
         "logger": False,
         "enable_progress_bar": False,
         "enable_model_summary": False,
-        "enable_checkpointing": False,
+        "enable_checkpointing": checkpoints is not None,
         **trainer_args,
     }
-    trainer = pl.Trainer(callbacks=[callback], **options)
-    trainer.fit(module, DataLoader(_data(), batch_size=BATCH))
+    callbacks = [callback] if checkpoints is None else [callback, checkpoints]
+    trainer = pl.Trainer(callbacks=callbacks, **options)
+    trainer.fit(module, DataLoader(_data(), batch_size=BATCH), ckpt_path=ckpt_path)
     return trainer, module
 
 
@@ -131,3 +132,18 @@ def test_arguments_are_checked_when_the_callback_is_made():
     with pytest.raises(ValueError, match="log_every_n_steps must be an int >= 0"):
         ActivationStatsCallback(log_every_n_steps=-1)
     assert ActivationStatsCallback().activation_stats is None
+
+
+def test_a_fit_resumed_from_a_checkpoint_continues_the_columns(tmp_path):
+    options = {"extra": ("max",), "hist_bins": 4, "hist_range": (-3.0, 3.0)}
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    first = ActivationStatsCallback(**options)
+    _fit(first, Tiny(lr=0.1), checkpoints, max_epochs=1)
+    resumed = ActivationStatsCallback(**options)
+    trainer, _ = _fit(resumed, Tiny(lr=0.1), ckpt_path=tmp_path / "last.ckpt")
+    act = resumed.activation_stats
+    assert act.num_batches == trainer.global_step == 30
+    assert act.batches.tolist() == list(range(30))
+    assert torch.equal(act.stats[:, :, :15], first.activation_stats.stats)
+    assert torch.equal(act.hist[:, :15], first.activation_stats.hist)
+    assert act.stats.isfinite().all()

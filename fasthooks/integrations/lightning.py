@@ -25,8 +25,9 @@ class ActivationStatsCallback(RecordingCallback, pl.Callback):
     trainer's own) the newest column goes to every logger of the trainer, tagged
     `activations/<module>/<stat>`; 0 logs nothing. At fit end, hooks are removed and, when a
     process group is initialised, every rank's statistics are merged (`all_reduce`); on an
-    exception, hooks are removed and the statistics so far kept. The live object is
-    `.activation_stats`.
+    exception, hooks are removed and the statistics so far kept. The statistics are saved in
+    the trainer's checkpoints, and a fit resumed from one (`ckpt_path=`) continues their columns.
+    The live object is `.activation_stats`.
     """
 
     def __init__(self, log_every_n_steps: int | None = None, **kwargs: Any) -> None:
@@ -56,6 +57,13 @@ class ActivationStatsCallback(RecordingCallback, pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._recorder.end()
+
+    def state_dict(self) -> dict[str, Any]:
+        act = self.activation_stats
+        return {} if act is None else {"activation_stats": act.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._recorder.resume = state_dict.get("activation_stats")
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException

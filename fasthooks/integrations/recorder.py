@@ -27,6 +27,7 @@ class FitRecorder:
             else count_argument(log_every_n_steps, "log_every_n_steps", 0)
         )
         self.activation_stats: ActivationStats | None = None
+        self.resume: dict[str, Any] | None = None  # a saved state to continue at the next fit
         self._steps = 0
 
     def begin(self, model: nn.Module, estimated_steps: float | None) -> None:
@@ -37,6 +38,9 @@ class FitRecorder:
             every = options.get("every", 1)
             options["expected_batches"] = max(1, math.ceil(estimated_steps / every))
         self.activation_stats = ActivationStats(model, **options)
+        if self.resume is not None:
+            self.activation_stats.load_state_dict(self.resume)
+            self.resume = None
         self.activation_stats.on_train_begin()
         self._steps = 0
 
