@@ -1,5 +1,7 @@
 #include "checks.h"
 
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
@@ -28,12 +30,38 @@ void check_buffer(const Tensor& t, const char* name, ScalarType dtype,
   const auto sizes = t.sizes();
   const bool same_shape = std::equal(sizes.begin(), sizes.end(), shape.begin(), shape.end());
   // The message is formatted only on failure: these checks run on every hooked call.
-  FASTHOOKS_CHECK(t.scalar_type() == dtype && same_shape && t.is_contiguous(),
+  FASTHOOKS_CHECK(dtype_of(t) == dtype && same_shape && t.is_contiguous(),
                   "accumulate_stats: ", name, " must be a contiguous ", dtype, " tensor of shape ",
                   shape_string(shape), ", got ", t.scalar_type(), " of shape ", shape_of(t));
 }
 
+void check_shim(AOTITorchError status) {
+  FASTHOOKS_CHECK(status == AOTI_TORCH_SUCCESS, "accumulate_stats: reading a tensor failed");
+}
+
 }  // namespace
+
+ScalarType dtype_of(const Tensor& t) {
+  static const std::pair<int32_t, ScalarType> known[] = {
+      {aoti_torch_dtype_float32(), ScalarType::Float},
+      {aoti_torch_dtype_float64(), ScalarType::Double},
+      {aoti_torch_dtype_float16(), ScalarType::Half},
+      {aoti_torch_dtype_bfloat16(), ScalarType::BFloat16},
+      {aoti_torch_dtype_int64(), ScalarType::Long}};
+  int32_t code = 0;
+  check_shim(aoti_torch_get_dtype(t.get(), &code));
+  for (const auto& [known_code, dtype] : known) {
+    if (code == known_code) return dtype;
+  }
+  return t.scalar_type();
+}
+
+Place place_of(const Tensor& t) {
+  Place place{};
+  check_shim(aoti_torch_get_device_type(t.get(), &place.type));
+  check_shim(aoti_torch_get_device_index(t.get(), &place.index));
+  return place;
+}
 
 std::string shape_of(const Tensor& t) {
   std::ostringstream out;
@@ -71,11 +99,11 @@ bool is_non_overlapping_and_dense(const Tensor& t) {
 bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& stats,
                            const Tensor& extra, const Tensor& hist, const Tensor& workspace,
                            const Tensor& cursor, int64_t slot, double hist_min, double hist_max) {
-  const auto dtype = x.scalar_type();
+  const auto dtype = dtype_of(x);
   FASTHOOKS_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double ||
                       dtype == ScalarType::Half || dtype == ScalarType::BFloat16,
                   "accumulate_stats: x must be float32, float64, float16 or bfloat16, got ", dtype);
-  FASTHOOKS_CHECK(state.scalar_type() == ScalarType::Double && state.dim() == 3 &&
+  FASTHOOKS_CHECK(dtype_of(state) == ScalarType::Double && state.dim() == 3 &&
                       (state.size(0) == kBasicPlanes || state.size(0) == kFullPlanes) &&
                       state.is_contiguous(),
                   "accumulate_stats: state must be a contiguous float64 tensor of shape (3 or 9, "
@@ -105,17 +133,17 @@ bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& s
                     "accumulate_stats: ", hist.size(2), " bins over [", hist_min, ", ", hist_max,
                     "] are narrower than 2^-16 of the range's magnitude");
   }
-  FASTHOOKS_CHECK(cursor.scalar_type() == ScalarType::Long && cursor.numel() == 1,
+  FASTHOOKS_CHECK(dtype_of(cursor) == ScalarType::Long && cursor.numel() == 1,
                   "accumulate_stats: cursor must be a one-element int64 tensor, got ",
                   cursor.scalar_type(), " of shape ", shape_of(cursor));
-  const auto device = state.device();
+  const Place place = place_of(state);
   for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"x", &x},
                                 {"stats", &stats},
                                 {"extra", &extra},
                                 {"hist", &hist},
                                 {"workspace", &workspace},
                                 {"cursor", &cursor}}) {
-    FASTHOOKS_CHECK(t->device() == device, "accumulate_stats: ", name,
+    FASTHOOKS_CHECK(place_of(*t) == place, "accumulate_stats: ", name,
                     " must be on the state's device ", device_of(state), ", got ", device_of(*t));
   }
   FASTHOOKS_CHECK(slot >= 0 && slot < modules, "accumulate_stats: slot must be in [0, ", modules,

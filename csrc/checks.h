@@ -26,6 +26,19 @@ template <typename... Args>
     if (!(cond)) ::fasthooks::fail(__VA_ARGS__); \
   } while (false)
 
+// t's dtype when it is one the operator uses, read as the C shim's code: torch::stable's
+// scalar_type() translates that code through a chain of shim calls, too slow for checks that run
+// on every hooked call. Any other dtype takes that slow path.
+ScalarType dtype_of(const Tensor& t);
+
+// Where t lives, as the C shim's device type and index (compared without translating them).
+struct Place {
+  int32_t type;
+  int32_t index;
+  bool operator==(const Place& other) const { return type == other.type && index == other.index; }
+};
+Place place_of(const Tensor& t);
+
 std::string shape_of(const Tensor& t);
 std::string device_of(const Tensor& t);
 

@@ -126,7 +126,7 @@ void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& st
   // Statistics ignore element order, so any dense layout (channels_last included) is read in place.
   const Tensor dense = is_non_overlapping_and_dense(x) ? x : torch::stable::contiguous(x);
   const ChunkKernels& k = cpu_kernels();
-  switch (dense.scalar_type()) {
+  switch (dtype_of(dense)) {
     case ScalarType::Float:
       return accumulate(dense, k.f32, full, at_slot, near_zero, hist, hist_offset, hist_min,
                         hist_max);

@@ -337,7 +337,7 @@ void accumulate_stats_cuda(const Tensor& x, const Tensor& state, const Tensor& s
                                           hist_min, hist_max);
   const int64_t max_blocks = (workspace.numel() - 1) / kPartials;
   FASTHOOKS_CHECK(
-      workspace.scalar_type() == ScalarType::Double && workspace.is_contiguous() && max_blocks >= 1,
+      dtype_of(workspace) == ScalarType::Double && workspace.is_contiguous() && max_blocks >= 1,
       "accumulate_stats: workspace must be a zeroed contiguous float64 tensor of at least ",
       kPartials + 1, " elements on CUDA, got ", workspace.scalar_type(), " of shape ",
       shape_of(workspace));
@@ -363,7 +363,7 @@ void accumulate_stats_cuda(const Tensor& x, const Tensor& state, const Tensor& s
                         hist_max};
   // Statistics ignore element order, so any dense layout (channels_last included) is read in place.
   const Tensor dense = is_non_overlapping_and_dense(x) ? x : torch::stable::contiguous(x);
-  switch (dense.scalar_type()) {
+  switch (dtype_of(dense)) {
     case ScalarType::Float:
       return dispatch<float>(dense, buffers, full, max_blocks);
     case ScalarType::Double:
