@@ -147,3 +147,53 @@ def test_a_fit_resumed_from_a_checkpoint_continues_the_columns(tmp_path):
     assert torch.equal(act.stats[:, :, :15], first.activation_stats.stats)
     assert torch.equal(act.hist[:, :15], first.activation_stats.hist)
     assert act.stats.isfinite().all()
+
+
+class SavingCallback(ActivationStatsCallback):
+    """Writes each rank's statistics after the fit (spawned ranks share no memory with the test)."""
+
+    def __init__(self, out: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        super().on_fit_end(trainer, pl_module)
+        act = self.activation_stats
+        path = Path(self.out) / f"rank{trainer.global_rank}.pt"
+        torch.save({"stats": act.stats.clone(), "hist": act.hist.clone(), **act.extra}, path)
+
+
+class EveryOtherRow(torch.utils.data.Sampler):
+    """Rank r of 2 takes rows r, r + 2, ...: a step of both ranks covers 2 * BATCH rows in a row."""
+
+    def __iter__(self):
+        return iter(range(torch.distributed.get_rank(), ROWS, 2))
+
+    def __len__(self) -> int:
+        return ROWS // 2
+
+
+def test_ddp_ranks_merge_their_shards_at_fit_end(tmp_path):
+    options = {"extra": ("max",), "hist_bins": 4, "hist_range": (-3.0, 3.0)}
+    callback = SavingCallback(str(tmp_path), **options)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        use_distributed_sampler=False,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(Tiny(), DataLoader(_data(), batch_size=BATCH, sampler=EveryOtherRow()))
+    module = Tiny()
+    whole = record_steps(module.net, _data().tensors[0].split(2 * BATCH), **options)
+    for rank in range(2):
+        merged = torch.load(tmp_path / f"rank{rank}.pt")
+        assert merged["stats"].shape == whole.stats.shape
+        torch.testing.assert_close(merged["stats"], whole.stats, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(merged["max"], whole.extra["max"])
+        assert torch.equal(merged["hist"], whole.hist)
