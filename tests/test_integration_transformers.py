@@ -128,3 +128,30 @@ def test_arguments_are_checked_when_the_callback_is_made():
         ActivationStatsCallback(hist_bins=4, hist_range=(1.0, 0.0))
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         ActivationStatsCallback(bogus=1)
+
+
+def test_training_resumed_from_a_checkpoint_continues_the_columns(tmp_path):
+    options = {"extra": ["max"], "hist_bins": 4, "hist_range": (-3.0, 3.0)}
+    first = ActivationStatsCallback(**options)
+    _trainer(first, tmp_path, save_strategy="steps", save_steps=5).train()
+    checkpoint = tmp_path / "checkpoint-10"
+    assert (checkpoint / "fasthooks_activation_stats_rank0.pt").is_file()
+    resumed = ActivationStatsCallback(**options)
+    trainer = _trainer(resumed, tmp_path, num_train_epochs=2)
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    act = resumed.activation_stats
+    assert act.num_batches == trainer.state.global_step == 20
+    assert act.batches.tolist() == list(range(20))
+    assert torch.equal(act.stats[:, :, :10], first.activation_stats.stats)
+    assert torch.equal(act.hist[:, :10], first.activation_stats.hist)
+    assert act.stats.isfinite().all()
+
+
+def test_a_checkpoint_without_statistics_says_they_start_again(tmp_path):
+    _trainer(ActivationStatsCallback(), tmp_path, save_strategy="steps", save_steps=5).train()
+    (tmp_path / "checkpoint-5" / "fasthooks_activation_stats_rank0.pt").unlink()
+    callback = ActivationStatsCallback()
+    trainer = _trainer(callback, tmp_path)
+    with pytest.warns(RuntimeWarning, match="resumes at step 5 but .* is missing"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+    assert callback.activation_stats.num_batches == 5

@@ -8,11 +8,23 @@ Example:
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .recorder import FitRecorder, RecordingCallback
+
+# Written into each checkpoint folder, one per process.
+STATE_FILE = "fasthooks_activation_stats_rank{rank}.pt"
+
+
+def _state_file(args: TrainingArguments, step: int) -> Path:
+    folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    return folder / STATE_FILE.format(rank=args.process_index)
 
 
 class ActivationStatsCallback(RecordingCallback, TrainerCallback):
@@ -27,7 +39,9 @@ class ActivationStatsCallback(RecordingCallback, TrainerCallback):
     callback)`). At the end of training, hooks are removed and, when a process group is
     initialised, every rank's statistics are merged (`all_reduce`). The Trainer tells callbacks
     nothing of an exception: run `trainer.train()` inside `with callback:` to remove the hooks
-    then too. The live object is `.activation_stats`.
+    then too. Each checkpoint folder gets the statistics so far (`STATE_FILE`), and training
+    resumed from a checkpoint in `output_dir` continues their columns. The live object is
+    `.activation_stats`.
     """
 
     def __init__(self, log_every_n_steps: int | None = None, **kwargs: Any) -> None:
@@ -37,8 +51,27 @@ class ActivationStatsCallback(RecordingCallback, TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        if state.global_step > 0:  # resumed from a checkpoint
+            saved = _state_file(args, state.global_step)
+            if saved.is_file():
+                self._recorder.resume = torch.load(saved, weights_only=True)
+            else:
+                warnings.warn(
+                    f"ActivationStatsCallback: training resumes at step {state.global_step} but "
+                    f"{saved} is missing, so the statistics start again from this step",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         self._recorder.begin(kwargs["model"], state.max_steps)
         self._pending = None
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        act = self.activation_stats
+        saved = _state_file(args, state.global_step)
+        if act is not None and saved.parent.is_dir():
+            torch.save(act.state_dict(), saved)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
