@@ -44,7 +44,8 @@ demo: build
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu')
+	$(VENV)/bin/clang-format --dry-run --Werror \
+		$$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'benchmarks/*.cpp')
 
 test-cpu: build
 	FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_FRAMEWORKS=1 \
@@ -93,13 +94,16 @@ bench-quick: build
 # The same kernels on torch's C++ API (the last commit before the stable-ABI port), built here.
 CPP_API_COMMIT := 1eca956721744daf40780b29a1653acec0e765a9
 CPP_API_BUILD := build/cpp-api
+ABI_FLOOR_BUILD := build/abi-floor
 
 bench-abi: build
 	rm -rf $(CPP_API_BUILD) && mkdir -p $(CPP_API_BUILD)
 	git archive $(CPP_API_COMMIT) | tar -x -C $(CPP_API_BUILD)
 	cd $(CPP_API_BUILD) && $(CURDIR)/$(VENV)/bin/python setup.py -q build_ext --inplace
+	$(VENV)/bin/python benchmarks/abi_floor/setup.py -q build_ext \
+		--build-lib $(ABI_FLOOR_BUILD) --build-temp $(ABI_FLOOR_BUILD)/tmp
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/abi_compare.py \
-		--baseline $(CPP_API_BUILD) --out results/abi_compare
+		--baseline $(CPP_API_BUILD) --floor $(ABI_FLOOR_BUILD) --out results/abi_compare
 
 clean:
 	rm -rf build dist results fasthooks/_C*.so

@@ -2,10 +2,13 @@
 
 Two builds cannot register the same operator in one process, so each runs in a worker process
 of its own; the parent asks them for one timing round at a time, alternating which goes first,
-so that machine drift hits both alike. Both also compute the statistics of the same seeded
-tensors, which must agree bit for bit. Writes results.md and results.json to --out.
-    python benchmarks/abi_compare.py --baseline DIR --out results/abi_compare
-where DIR holds a fasthooks package built with the C++ API (`make bench-abi` prepares one).
+so that machine drift hits both alike. Each worker also times an operator with the same schema
+that does nothing, built on its own API (`benchmarks/abi_floor/`): the calling convention's
+share. Both builds compute the statistics of the same seeded tensors, which must agree bit for
+bit. Writes results.md and results.json to --out.
+    python benchmarks/abi_compare.py --baseline DIR --floor DIR --out results/abi_compare
+where --baseline holds a fasthooks package built with the C++ API and --floor the two no-op
+modules (`make bench-abi` prepares both).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from timing import machine_line, markdown_table, time_call
 
+NOOP = "no-op, same schema"
 # (name, shape, every extra, histogram bins): a hook's small call and conv-sized activations.
 CASES = [
     ("64x512, mean+std", (64, 512), False, 0),
@@ -37,24 +41,37 @@ def _calls(shape: tuple[int, ...]) -> int:
     return max(5, int(2e7 // elements))
 
 
-def worker() -> None:
+def worker(noop_module: str) -> None:
     """Answers each line on stdin ("round" or "values") with one JSON line on stdout."""
+    import importlib
+
     import torch
 
+    import fasthooks
     from fasthooks.buffers import StatBuffers
-    from fasthooks.ops import accumulate_stats
 
+    assert fasthooks.extension_available(), fasthooks.extension_error()
+    importlib.import_module(noop_module)
+    # The operators themselves, as the hooks call them.
+    operator = torch.ops.fasthooks.accumulate_stats.default
+    noop = getattr(torch.ops, noop_module).noop.default
     generator = torch.Generator().manual_seed(0)
     calls = {}
     for name, shape, full, bins in CASES:
         x = torch.randn(shape, generator=generator).relu_()
         buffers = StatBuffers(1, 1, "cpu", full=full, hist_bins=bins)
         args = buffers.op_args()
-        calls[name] = (lambda x=x, args=args: accumulate_stats(x, *args, 0, 0.05, 0.0, 10.0), args)
+        calls[name] = (lambda x=x, args=args: operator(x, *args, 0, 0.05, 0.0, 10.0), args)
         calls[name][0]()  # warm-up
+    small, small_args = CASES[0][1], calls[CASES[0][0]][1]
+    x = torch.randn(small)
+    noop_call = lambda: noop(x, *small_args, 0, 0.05, 0.0, 10.0)  # noqa: E731
     for line in sys.stdin:
         if line.strip() == "round":
-            out = {name: time_call(calls[name][0], _calls(shape)) for name, shape, _, _ in CASES}
+            out = {NOOP: time_call(noop_call, _calls(small))}
+            out.update(
+                {name: time_call(calls[name][0], _calls(shape)) for name, shape, _, _ in CASES}
+            )
         else:
             out = {
                 name: [t.flatten().tolist() for t in args[:4]] for name, (_, args) in calls.items()
@@ -62,10 +79,11 @@ def worker() -> None:
         print(json.dumps(out), flush=True)
 
 
-def _start(package_root: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, str(Path(__file__).parent)])}
+def _start(package_root: str, floor: str, noop_module: str) -> subprocess.Popen:
+    path = os.pathsep.join([package_root, floor, str(Path(__file__).parent)])
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.Popen(
-        [sys.executable, __file__, "--worker"],
+        [sys.executable, __file__, "--worker", noop_module],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -84,16 +102,18 @@ def main() -> None:
     parser.add_argument("--baseline", help="a fasthooks package root built on torch's C++ API")
     parser.add_argument("--out", type=Path, default=Path("results/abi_compare"))
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--floor", help="the folder holding noop_stable and noop_cpp_api")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker()
+        worker(args.worker)
         return
     builds = {
-        "stable ABI": _start(str(Path(__file__).resolve().parents[1])),
-        "C++ API": _start(args.baseline),
+        "stable ABI": _start(str(Path(__file__).resolve().parents[1]), args.floor, "noop_stable"),
+        "C++ API": _start(args.baseline, args.floor, "noop_cpp_api"),
     }
-    samples: dict[str, dict[str, list[float]]] = {b: {c[0]: [] for c in CASES} for b in builds}
+    names = [NOOP] + [c[0] for c in CASES]
+    samples: dict[str, dict[str, list[float]]] = {b: {name: [] for name in names} for b in builds}
     for r in range(args.rounds):
         order = list(builds) if r % 2 == 0 else list(builds)[::-1]
         for build in order:
@@ -105,7 +125,7 @@ def main() -> None:
         process.wait()
     same = values["stable ABI"] == values["C++ API"]
     rows, results = [], {"machine": machine_line(), "same_numbers": same, "cases": {}}
-    for case, *_ in CASES:
+    for case in names:
         stable = statistics.median(samples["stable ABI"][case])
         classic = statistics.median(samples["C++ API"][case])
         results["cases"][case] = {"stable_s": stable, "cpp_api_s": classic}
