@@ -1,6 +1,7 @@
 #include "checks.h"
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <cmath>
@@ -78,6 +79,8 @@ std::string device_of(const Tensor& t) {
   return name;
 }
 
+namespace {
+
 bool is_non_overlapping_and_dense(const Tensor& t) {
   if (t.is_contiguous()) return true;
   const int64_t dims = t.dim();
@@ -94,6 +97,12 @@ bool is_non_overlapping_and_dense(const Tensor& t) {
     expected *= t.size(d);
   }
   return true;
+}
+
+}  // namespace
+
+Tensor dense_values(const Tensor& x) {
+  return is_non_overlapping_and_dense(x) ? x : torch::stable::contiguous(x);
 }
 
 bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& stats,

@@ -42,8 +42,9 @@ Place place_of(const Tensor& t);
 std::string shape_of(const Tensor& t);
 std::string device_of(const Tensor& t);
 
-// Whether the elements fill a block of memory without gaps or overlaps, in any order.
-bool is_non_overlapping_and_dense(const Tensor& t);
+// x itself when its elements fill a block of memory without gaps or overlaps, in any order
+// (statistics ignore element order, so channels_last is read in place), else a contiguous copy.
+Tensor dense_values(const Tensor& x);
 
 // Checks every argument but the cursor's value, which is checked where it can be read. Returns
 // whether every statistic is wanted (a 9-plane state with an extras buffer) or mean and std only.

@@ -42,10 +42,12 @@ def newest_metrics(act: ActivationStats) -> dict[str, float]:
     column = act.num_batches - 1
     kind = "activations" if act.is_forward else "gradients"
     planes = {"mean": act.stats[0], "std": act.stats[1], **act.extra}
+    # One conversion per statistic, not one per module and statistic.
+    newest = {stat: values[:, column].double().tolist() for stat, values in planes.items()}
     return {
-        f"{kind}/{name}/{stat}": float(values[m, column])
+        f"{kind}/{name}/{stat}": values[m]
         for m, name in enumerate(act.module_names)
-        for stat, values in planes.items()
+        for stat, values in newest.items()
     }
 
 

@@ -123,8 +123,7 @@ void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& st
                              static_cast<float*>(stats.mutable_data_ptr()) + cell, plane,
                              full ? static_cast<float*>(extra.mutable_data_ptr()) + cell : nullptr};
   const int64_t hist_offset = hist.numel() > 0 ? cell * hist.size(2) : 0;
-  // Statistics ignore element order, so any dense layout (channels_last included) is read in place.
-  const Tensor dense = is_non_overlapping_and_dense(x) ? x : torch::stable::contiguous(x);
+  const Tensor dense = dense_values(x);
   const ChunkKernels& k = cpu_kernels();
   switch (dtype_of(dense)) {
     case ScalarType::Float:

@@ -11,7 +11,6 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
-#include <torch/csrc/stable/ops.h>
 #include <torch/headeronly/macros/Macros.h>
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
@@ -361,8 +360,7 @@ void accumulate_stats_cuda(const Tensor& x, const Tensor& state, const Tensor& s
                         near_zero,
                         hist_min,
                         hist_max};
-  // Statistics ignore element order, so any dense layout (channels_last included) is read in place.
-  const Tensor dense = is_non_overlapping_and_dense(x) ? x : torch::stable::contiguous(x);
+  const Tensor dense = dense_values(x);
   switch (dtype_of(dense)) {
     case ScalarType::Float:
       return dispatch<float>(dense, buffers, full, max_blocks);
