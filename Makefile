@@ -18,6 +18,9 @@ FASTAI_DEPS := fastcore fastdownload fastprogress fasttransform plum-dispatch re
 # Drop pip's notes about unreachable local index folders; keep everything else it says.
 PIP_FILTER := { grep -v "is neither a file nor a directory" || true; }
 CUDA_ARCHS ?= 8.0;9.0
+# torch.compile's caches stay inside the work tree (removed by `make clean`), not in /tmp.
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor-cache
+export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 
 .PHONY: setup build install demo test test-cpu test-cuda-build test-wheel wheel lint bench bench-train bench-quick bench-abi clean
 
