@@ -18,18 +18,29 @@ constexpr int64_t kBlock = 2048;
 // hardware prefetcher alone (measured: about +10% once the tensor no longer fits in cache).
 constexpr int64_t kPrefetchBytes = 16384;
 
-// Finds the bins of a vector of values and packs those of the values inside the range, dropping
-// the others. A first guess is clamped to [0.5, bins - 0.5] (a value in the outer half of an
-// outer bin needs no check) and, only in the rare vector where some guess lies within `margin` of
-// an edge, moved one step down or up against the exact edges (gathered). As scalar code, GCC
-// turns the clamps into branches that random data mispredicts half the time (measured: 12 ns a
-// value).
+// How a block's histogram is counted: with few bins, each value's bin goes into a byte code
+// (255: in no bin) and the codes are counted by comparing 32 at a time with each bin that occurs;
+// with many, the bins of the values in range are packed and counted one by one.
+enum class HistMode { kNone, kCoded, kPacked };
+constexpr int64_t kNoBinCode = 255;
+constexpr int64_t kMaxCodedBins = 64;
+constexpr int64_t kCodeVector = 32;
+static_assert(kBlock / kCodeVector <= 255, "a byte counter per lane must not wrap within a block");
+
+// Finds the bins of a vector of values. A first guess is clamped to [0.5, bins - 0.5] (a value in
+// the outer half of an outer bin needs no check) and, only in the rare vector where some guess
+// lies within `margin` of an edge, moved one step down or up against the exact edges (gathered).
+// As scalar code, GCC turns the clamps into branches that random data mispredicts half the time
+// (measured: 12 ns a value).
 template <typename Acc>
 struct VectorBins {
   typedef Acc Vec __attribute__((vector_size(32)));
   using Index = decltype(Vec{} < Vec{});
   using Int = std::conditional_t<sizeof(Acc) == 4, int32_t, int64_t>;
   static constexpr int64_t lanes = 32 / sizeof(Acc);
+  // The codes of two vectors, as bytes: unsigned (kNoBinCode is the largest) and signed (it is -1).
+  typedef uint8_t CodeBytes __attribute__((vector_size(2 * lanes)));
+  typedef int8_t SignedCodeBytes __attribute__((vector_size(2 * lanes)));
 
   VectorBins(const BinTable<Acc>& t, Acc margin)
       : table(t),
@@ -42,20 +53,53 @@ struct VectorBins {
         near_low(Vec{} + margin),
         near_high(Vec{} + (Acc(1) - margin)) {}
 
+  // A first guess of each lane's bin, as if every value were inside the range, and the lanes
+  // whose guess may be one bin off. (Vectors are passed by reference: returning one by value
+  // changes the ABI of the portable kernels.)
+  void guess(const Vec& v, Index& pos, Index& unsure) const {
+    Vec g;
+    clamp_lanes(v * scale - offset, low, high, g);  // NaN becomes 0.5
+    pos = __builtin_convertvector(g, Index);
+    const Vec fraction = g - __builtin_convertvector(pos, Vec);
+    unsure = (fraction < near_low) | (fraction > near_high);
+  }
+
+  // Moves each guess one step down or up against the exact edges where it is off.
+  void settle(const Vec& v, Index& pos) const {
+    Vec edge;
+    gather(table.lower, pos, edge);
+    pos += v < edge;  // a true comparison is -1
+    gather(table.lower, pos + 1, edge);
+    pos -= v >= edge;
+  }
+
+  // Lanes whose value is in no bin: outside the range, or NaN.
+  void outside(const Vec& v, Index& out) const { out = (v < first) | ~(v <= top); }
+
   // Writes a whole vector at out; returns how many of its bins belong there.
   int64_t pack(const Vec& v, Int* out) const {
-    Vec guess;
-    clamp_lanes(v * scale - offset, low, high, guess);  // NaN becomes 0.5
-    Index pos = __builtin_convertvector(guess, Index);
-    const Vec fraction = guess - __builtin_convertvector(pos, Vec);
-    if (any_lane((fraction < near_low) | (fraction > near_high))) {
-      Vec edge;
-      gather(table.lower, pos, edge);
-      pos += v < edge;  // a true comparison is -1
-      gather(table.lower, pos + 1, edge);
-      pos -= v >= edge;
+    Index pos, unsure, none;
+    guess(v, pos, unsure);
+    if (any_lane(unsure)) settle(v, pos);
+    outside(v, none);
+    return pack_lanes(pos, ~none, out);
+  }
+
+  // Each lane's bin, or all ones (kNoBinCode once narrowed to a byte) for a value in no bin, for
+  // two vectors at once: one test of whether any guess needs settling.
+  void code(const Vec& a, const Vec& b, Index& code_a, Index& code_b) const {
+    Index unsure_a, unsure_b;
+    guess(a, code_a, unsure_a);
+    guess(b, code_b, unsure_b);
+    if (any_lane(unsure_a | unsure_b)) {
+      settle(a, code_a);
+      settle(b, code_b);
     }
-    return pack_lanes(pos, (v >= first) & (v <= top), out);
+    Index none;
+    outside(a, none);
+    code_a |= none;
+    outside(b, none);
+    code_b |= none;
   }
 
   const BinTable<Acc>& table;
@@ -63,17 +107,33 @@ struct VectorBins {
 };
 
 // Bins found for one block, counted in one of kHistLanes lane-private rows so that consecutive
-// values in one bin do not wait on each other's store; then the values left unbinned, one by one.
+// values in one bin do not wait on each other's store.
 template <typename Acc, typename Int>
-inline void count_bins(const Int* bins, int64_t packed, const Acc* rest, int64_t rest_n,
-                       const BinTable<Acc>& t, uint32_t* rows) {
+inline void count_bins(const Int* bins, int64_t packed, const BinTable<Acc>& t, uint32_t* rows) {
   const int64_t stride = t.bins + 1;
   int64_t i = 0;
   for (; i + kHistLanes <= packed; i += kHistLanes) {
     for (int64_t k = 0; k < kHistLanes; ++k) ++rows[k * stride + bins[i + k]];
   }
   for (; i < packed; ++i) ++rows[bins[i]];
-  for (int64_t j = 0; j < rest_n; ++j) ++rows[bin_of(rest[j], t)];
+}
+
+// Counts the byte codes of a block (a whole number of vectors, padded with kNoBinCode) for each
+// bin from first to last, four bins per read of the codes.
+inline void count_codes(const uint8_t* codes, int64_t vectors, int64_t first, int64_t last,
+                        uint32_t* row) {
+  typedef uint8_t Bytes __attribute__((vector_size(kCodeVector)));
+  constexpr int64_t kKeys = 4;
+  for (int64_t k = first; k <= last; k += kKeys) {
+    Bytes key[kKeys], hits[kKeys] = {};
+    for (int64_t q = 0; q < kKeys; ++q) key[q] = Bytes{} + static_cast<uint8_t>(k + q);
+    for (int64_t j = 0; j < vectors; ++j) {
+      Bytes v;
+      std::memcpy(&v, codes + j * kCodeVector, sizeof(v));
+      for (int64_t q = 0; q < kKeys; ++q) hits[q] -= (Bytes)(v == key[q]);
+    }
+    for (int64_t q = 0; q < kKeys && k + q <= last; ++q) row[k + q] += sum_bytes(hits[q]);
+  }
 }
 
 template <typename Acc>
@@ -81,20 +141,26 @@ struct BlockSums {
   double s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0;  // power sums of (x - shift)
   Acc min, max;                                   // NaN is ignored here and found afterwards
   int64_t near_zero = 0;
-  int64_t packed = 0;  // with a histogram: bins found, and values looked at, in the vector loop
-  int64_t binned = 0;
+  int64_t binned = 0;  // with a histogram: values looked at in the vector loop
+  int64_t packed = 0;  // HistMode::kPacked: bins written
+  int64_t first_bin = kNoBinCode, last_bin = -1;  // HistMode::kCoded: the bins that occur
 };
 
-// One pass over a block, finding histogram bins on the way when `finder` is given. Independent
+// Where the vector loop writes what it finds of each value's bin: packed bins or byte codes.
+template <typename Acc, HistMode Mode>
+using BinsOut =
+    std::conditional_t<Mode == HistMode::kCoded, uint8_t, typename VectorBins<Acc>::Int>;
+
+// One pass over a block, finding histogram bins on the way unless Mode is kNone. Independent
 // 32-byte accumulators keep the FP pipes busy (four for mean and std; two when every statistic is
 // on, which would otherwise run out of registers); GCC's vector extension compiles them to AVX2
 // in the AVX2 kernels and to SSE2 pairs in the portable.
-template <typename Acc, bool Full, bool Hist>
+template <typename Acc, bool Full, HistMode Mode>
 inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_zero,
-                                 const VectorBins<Acc>* finder,
-                                 typename VectorBins<Acc>::Int* bins) {
+                                 const VectorBins<Acc>* finder, BinsOut<Acc, Mode>* out) {
   typedef Acc Vec __attribute__((vector_size(32)));
   using Mask = decltype(Vec{} <= Vec{});
+  using Bins = VectorBins<Acc>;
   constexpr int64_t lanes = 32 / sizeof(Acc);
   constexpr int kAcc = Full ? 2 : 4;
   const Vec shift_v = Vec{} + shift;
@@ -103,6 +169,11 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
   Vec lo = Vec{} + static_cast<Acc>(INFINITY);
   Vec hi = Vec{} - static_cast<Acc>(INFINITY);
   Mask small = {};
+  // Codes seen, as unsigned bytes (lowest: kNoBinCode never wins) and signed (highest: it is -1).
+  typename Bins::CodeBytes lowest = {};
+  lowest = ~lowest;
+  typename Bins::SignedCodeBytes highest = {};
+  highest -= 1;
   int64_t packed = 0;
   int64_t i = 0;
   for (; i + kAcc * lanes <= n; i += kAcc * lanes) {
@@ -123,12 +194,33 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
         hi = v > hi ? v : hi;
         small -= v <= near_zero_v;
       }
-      if constexpr (Hist) packed += finder->pack(v, bins + packed);
+      if constexpr (Mode == HistMode::kPacked) packed += finder->pack(v, out + packed);
+    }
+    if constexpr (Mode == HistMode::kCoded) {
+      for (int k = 0; k < kAcc; k += 2) {
+        Vec a, b;
+        std::memcpy(&a, p + i + k * lanes, sizeof(Vec));
+        std::memcpy(&b, p + i + (k + 1) * lanes, sizeof(Vec));
+        typename Bins::Index code_a, code_b;
+        finder->code(a, b, code_a, code_b);
+        typename Bins::CodeBytes bytes;
+        narrow_codes(code_a, code_b, bytes);
+        std::memcpy(out + i + k * lanes, &bytes, sizeof(bytes));
+        lowest = bytes < lowest ? bytes : lowest;
+        const auto as_signed = (typename Bins::SignedCodeBytes)bytes;
+        highest = as_signed > highest ? as_signed : highest;
+      }
     }
   }
   BlockSums<Acc> s;
   s.packed = packed;
   s.binned = i;
+  if constexpr (Mode == HistMode::kCoded) {
+    for (int64_t j = 0; j < 2 * lanes; ++j) {
+      s.first_bin = lowest[j] < s.first_bin ? lowest[j] : s.first_bin;
+      s.last_bin = highest[j] > s.last_bin ? highest[j] : s.last_bin;
+    }
+  }
   Vec t1 = a1[0], t2 = a2[0], t3 = a3[0], t4 = a4[0];
   for (int k = 1; k < kAcc; ++k) {
     t1 += a1[k];
@@ -161,6 +253,20 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
     }
   }
   return s;
+}
+
+// Counts what the vector loop found of a block's bins, then the values it left, one by one.
+template <typename Acc, HistMode Mode>
+inline void count_block_bins(const BlockSums<Acc>& s, BinsOut<Acc, Mode>* found, const Acc* p,
+                             int64_t n, const BinTable<Acc>& t, uint32_t* rows) {
+  if constexpr (Mode == HistMode::kCoded) {
+    const int64_t vectors = (s.binned + kCodeVector - 1) / kCodeVector;
+    std::memset(found + s.binned, kNoBinCode, vectors * kCodeVector - s.binned);
+    count_codes(found, vectors, s.first_bin, s.last_bin, rows);
+  } else {
+    count_bins(found, s.packed, t, rows);
+  }
+  for (int64_t j = s.binned; j < n; ++j) ++rows[bin_of(p[j], t)];
 }
 
 inline void bfloat16_to_float(const torch::headeronly::BFloat16* src, float* dst, int64_t n) {
@@ -223,19 +329,21 @@ inline void moments_in_double(const Acc* p, int64_t n, Stats& b) {
 // Statistics of one block, summed around `shift`, then once more around the block's own mean
 // when `shift` proved far from it: float sums around a distant shift lose the spread.
 // With a histogram, the block's bins are counted into `rows` too.
-template <typename Acc, bool Full, bool Hist>
+template <typename Acc, bool Full, HistMode Mode>
 inline Stats block_stats(const Acc* p, int64_t n, Acc shift, Acc near_zero,
                          const VectorBins<Acc>* finder, uint32_t* rows) {
   const double count = static_cast<double>(n);
-  typename VectorBins<Acc>::Int bins[Hist ? kBlock + VectorBins<Acc>::lanes : 1];
-  BlockSums<Acc> s = block_sums<Acc, Full, Hist>(p, n, shift, near_zero, finder, bins);
-  if constexpr (Hist) count_bins(bins, s.packed, p + s.binned, n - s.binned, finder->table, rows);
+  BinsOut<Acc, Mode> found[Mode == HistMode::kNone ? 1 : kBlock + kCodeVector];
+  BlockSums<Acc> s = block_sums<Acc, Full, Mode>(p, n, shift, near_zero, finder, found);
+  if constexpr (Mode != HistMode::kNone) {
+    count_block_bins<Acc, Mode>(s, found, p, n, finder->table, rows);
+  }
   Stats b;
   moments_from_shifted_sums<Full>(b, count, shift, s.s1, s.s2, s.s3, s.s4);
   const double d = s.s1 / count;
   if (4.0 * count * d * d > b.m2 && std::isfinite(b.mean)) {
     shift = finite_or_zero(static_cast<Acc>(b.mean));
-    s = block_sums<Acc, Full, false>(p, n, shift, near_zero, nullptr, nullptr);
+    s = block_sums<Acc, Full, HistMode::kNone>(p, n, shift, near_zero, nullptr, nullptr);
     moments_from_shifted_sums<Full>(b, count, shift, s.s1, s.s2, s.s3, s.s4);
   }
   if constexpr (Full) {
@@ -269,6 +377,7 @@ Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<
       hist_rows != nullptr
           ? std::optional<VectorBins<Acc>>(std::in_place, *params.bins, params.bin_margin)
           : std::nullopt;
+  const bool coded = finder && params.bins->bins <= kMaxCodedBins;
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = n - b < kBlock ? n - b : kBlock;
     const Acc* values;
@@ -281,10 +390,12 @@ Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<
     // Every block re-centres on the running mean, so no choice of first values spoils the rest.
     const Acc shift =
         b == 0 ? head_mean(values, len) : finite_or_zero(static_cast<Acc>(total.mean));
-    const Stats block = finder ? block_stats<Acc, Full, true>(values, len, shift, params.near_zero,
-                                                              &*finder, hist_rows)
-                               : block_stats<Acc, Full, false>(values, len, shift, params.near_zero,
-                                                               nullptr, nullptr);
+    const Stats block = !finder ? block_stats<Acc, Full, HistMode::kNone>(
+                                      values, len, shift, params.near_zero, nullptr, nullptr)
+                        : coded ? block_stats<Acc, Full, HistMode::kCoded>(
+                                      values, len, shift, params.near_zero, &*finder, hist_rows)
+                                : block_stats<Acc, Full, HistMode::kPacked>(
+                                      values, len, shift, params.near_zero, &*finder, hist_rows);
     total = merge<Full>(total, block);
   }
   return total;

@@ -88,6 +88,32 @@ inline int64_t pack_lanes(const Long4& index, const Long4& mask, int64_t* out) {
   return count;
 }
 
+// Two vectors of bin codes (-1 for none) as bytes, in order: saturating packs keep -1 as 0xff.
+template <typename Bytes>
+inline void narrow_codes(const Int8& a, const Int8& b, Bytes& out) {
+  static_assert(sizeof(Bytes) == 16);
+  const __m256i words =
+      _mm256_packs_epi32(reinterpret_cast<__m256i>(a), reinterpret_cast<__m256i>(b));
+  const __m256i bytes = _mm256_packs_epi16(words, words);
+  // Packs work within 128-bit halves: each half's low 8 bytes hold 4 codes of a and 4 of b.
+  out = reinterpret_cast<Bytes>(_mm256_castsi256_si128(_mm256_permute4x64_epi64(bytes, 0b1000)));
+}
+template <typename Bytes>
+inline void narrow_codes(const Long4& a, const Long4& b, Bytes& out) {
+  for (int j = 0; j < 4; ++j) {
+    out[j] = static_cast<uint8_t>(a[j]);
+    out[4 + j] = static_cast<uint8_t>(b[j]);
+  }
+}
+
+typedef uint8_t Bytes32 __attribute__((vector_size(32)));
+inline int64_t sum_bytes(const Bytes32& bytes) {
+  const __m256i sums = _mm256_sad_epu8(reinterpret_cast<__m256i>(bytes), _mm256_setzero_si256());
+  const __m128i half =
+      _mm_add_epi64(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+  return _mm_cvtsi128_si64(half) + _mm_extract_epi64(half, 1);
+}
+
 #include "chunk_stats_impl.h"
 
 }  // namespace avx2

@@ -40,6 +40,23 @@ inline int64_t pack_lanes(const Index& index, const Index& mask, Int* out) {
   return count;
 }
 
+// Two vectors of bin codes (-1 for none) as bytes: -1 becomes 0xff.
+template <typename Index, typename Bytes>
+inline void narrow_codes(const Index& a, const Index& b, Bytes& out) {
+  constexpr size_t lanes = sizeof(Index) / sizeof(a[0]);
+  for (size_t j = 0; j < lanes; ++j) {
+    out[j] = static_cast<uint8_t>(a[j]);
+    out[lanes + j] = static_cast<uint8_t>(b[j]);
+  }
+}
+
+template <typename Bytes>
+inline int64_t sum_bytes(const Bytes& bytes) {
+  int64_t sum = 0;
+  for (size_t j = 0; j < sizeof(Bytes); ++j) sum += bytes[j];
+  return sum;
+}
+
 #include "chunk_stats_impl.h"
 
 }  // namespace portable
