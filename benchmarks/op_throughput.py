@@ -29,7 +29,8 @@ from fasthooks.moments import accumulate_stats_python
 from fasthooks.ops import accumulate_stats
 
 SIZES_MB = [1, 2, 4, 8, 16, 32, 64, 128, 200]
-ACTIVATIONS = [(64, 64, 28, 28), (64, 64, 56, 56)]
+# Conv-sized activations: (shape, after a ReLU). A ReLU output puts every value in the range.
+ACTIVATIONS = [((64, 64, 28, 28), False), ((64, 64, 56, 56), False), ((64, 64, 28, 28), True)]
 # The three fused variants: (every extra, histogram bins).
 MODES = {"mean+std": (False, 0), "every extra": (True, 0), "every extra + hist": (True, 40)}
 
@@ -90,8 +91,10 @@ def against_fastai(device: str, rounds: int) -> list[dict]:
     python = _recorder(accumulate_stats_python, "mean+std", device)
     fused = {mode: _recorder(accumulate_stats, mode, device) for mode in MODES}
     rows = []
-    for shape in tqdm(ACTIVATIONS, desc="fastai vs python vs fused", unit="shape"):
+    for shape, relu in tqdm(ACTIVATIONS, desc="fastai vs python vs fused", unit="shape"):
         x = torch.randn(shape, device=device)
+        if relu:
+            x = x.relu()
         variants = {name: (lambda x=x, f=f: f(x)) for name, f in FASTAI_VARIANTS.items()}
         variants["python mean+std"] = _synchronised(lambda x=x: python(x), device)
         for mode, record in fused.items():
@@ -101,7 +104,7 @@ def against_fastai(device: str, rounds: int) -> list[dict]:
         ms = {name: t.median * 1e3 for name, t in timings.items()}
         rows.append(
             {
-                "shape": "x".join(map(str, shape)),
+                "shape": "x".join(map(str, shape)) + (" ReLU" if relu else ""),
                 **{f"{name}_ms": value for name, value in ms.items()},
                 "v1_over_fused": ms["fastai v1 hook"] / ms["fused mean+std"],
                 "v2_hist_over_fused_hist": ms["fastai v2 hook + hist"]
