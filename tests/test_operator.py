@@ -188,8 +188,9 @@ def test_nan_and_inf_propagate(backend, special, expected_mean, expected_std, de
             assert (math.isnan(got) and from_torch.isnan()) or got == from_torch.item()
 
 
-# The CPU kernels count up to 64 bins one way and more bins another.
-PORTABLE_BINS = (7, 100)
+# Over (1, 9): 32 bins take the kernels' exact first guess, 7 the checked one, 100 the other way
+# of counting.
+PORTABLE_BINS = (7, 32, 100)
 
 
 def test_portable_kernels_give_the_same_numbers():

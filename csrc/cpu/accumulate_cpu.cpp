@@ -82,6 +82,27 @@ Acc guess_margin(const BinTable<Acc>& table, double lo) {
   return static_cast<Acc>(margin < 0.5 ? margin : 0.5);
 }
 
+// c when the scale is a power of two, so that v * scale is exact, and edge k is exactly
+// (c + k) / scale with c an integer: then bin k is [c + k, c + k + 1) in units of v * scale, and
+// its floor is the bin with no check against the edges (fastai's default, 40 bins over (0, 10),
+// is one such case). kNoExactOrigin otherwise.
+template <typename Acc>
+int64_t exact_origin(const BinTable<Acc>& table, double lo, double hi) {
+  const double scale = static_cast<double>(table.scale);
+  int exponent;
+  if (scale != table.bins / (hi - lo) || std::frexp(scale, &exponent) != 0.5) return kNoExactOrigin;
+  const double origin = lo * scale;
+  // Below this, every half-integer between origin and origin + bins is exact in Acc.
+  const double limit = std::ldexp(1.0, std::numeric_limits<Acc>::digits - 2);
+  if (!(std::fabs(origin) + table.bins < limit) || origin != std::floor(origin)) {
+    return kNoExactOrigin;
+  }
+  for (int64_t k = 0; k <= table.bins; ++k) {
+    if (hist_edge(k, table.bins, lo, hi) != (origin + k) / scale) return kNoExactOrigin;
+  }
+  return static_cast<int64_t>(origin);
+}
+
 template <typename T, typename Acc>
 void accumulate(const Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bool full,
                 const SlotPointers& slot, double near_zero, const Tensor& hist, int64_t hist_offset,
@@ -92,8 +113,10 @@ void accumulate(const Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bool f
     lower.push_back(lower_edge<Acc>(k, bins, hist_min, hist_max));
   }
   const BinTable<Acc> table = bin_table(lower.data(), bins, hist_min, hist_max);
-  const ChunkParams<Acc> params{static_cast<Acc>(near_zero), bins > 0 ? &table : nullptr,
-                                bins > 0 ? guess_margin(table, hist_min) : Acc(0)};
+  const ChunkParams<Acc> params{
+      static_cast<Acc>(near_zero), bins > 0 ? &table : nullptr,
+      bins > 0 ? guess_margin(table, hist_min) : Acc(0),
+      bins > 0 ? exact_origin(table, hist_min, hist_max) : kNoExactOrigin};
   std::vector<int64_t> counts(bins);
   const T* p = static_cast<const T*>(dense.const_data_ptr());
   if (full) {

@@ -20,8 +20,12 @@ constexpr int64_t kPrefetchBytes = 16384;
 
 // How a block's histogram is counted: with few bins, each value's bin goes into a byte code
 // (255: in no bin) and the codes are counted by comparing 32 at a time with each bin that occurs;
-// with many, the bins of the values in range are packed and counted one by one.
-enum class HistMode { kNone, kCoded, kPacked };
+// with many, the bins of the values in range are packed and counted one by one. kExactCoded is
+// kCoded where the first guess of a bin is provably exact (ChunkParams::exact_origin).
+enum class HistMode { kNone, kCoded, kExactCoded, kPacked };
+constexpr bool coded(HistMode mode) {
+  return mode == HistMode::kCoded || mode == HistMode::kExactCoded;
+}
 constexpr int64_t kNoBinCode = 255;
 constexpr int64_t kMaxCodedBins = 64;
 constexpr int64_t kCodeVector = 32;
@@ -42,7 +46,7 @@ struct VectorBins {
   typedef uint8_t CodeBytes __attribute__((vector_size(2 * lanes)));
   typedef int8_t SignedCodeBytes __attribute__((vector_size(2 * lanes)));
 
-  VectorBins(const BinTable<Acc>& t, Acc margin)
+  VectorBins(const BinTable<Acc>& t, Acc margin, int64_t exact_origin)
       : table(t),
         scale(Vec{} + t.scale),
         offset(Vec{} + t.lo * t.scale),
@@ -51,7 +55,15 @@ struct VectorBins {
         first(Vec{} + t.lower[0]),
         top(Vec{} + t.top),
         near_low(Vec{} + margin),
-        near_high(Vec{} + (Acc(1) - margin)) {}
+        near_high(Vec{} + (Acc(1) - margin)),
+        origin(Index{} + static_cast<Int>(usable(exact_origin))),
+        exact_low(Vec{} + (static_cast<Acc>(usable(exact_origin)) + Acc(0.5))),
+        exact_high(Vec{} + (static_cast<Acc>(usable(exact_origin) + t.bins) - Acc(0.5))) {}
+
+  // The exact-guess members are unused without an exact origin; they just need a valid value.
+  static int64_t usable(int64_t exact_origin) {
+    return exact_origin == kNoExactOrigin ? 0 : exact_origin;
+  }
 
   // A first guess of each lane's bin, as if every value were inside the range, and the lanes
   // whose guess may be one bin off. (Vectors are passed by reference: returning one by value
@@ -73,6 +85,15 @@ struct VectorBins {
     pos -= v >= edge;
   }
 
+  // Where the bins are exact in units of v * scale (ChunkParams::exact_origin), the first guess is
+  // the bin: v * scale is exact, and bin k is [origin + k, origin + k + 1) in those units.
+  void exact_position(const Vec& v, Index& pos) const {
+    Vec g;
+    clamp_lanes(v * scale, exact_low, exact_high, g);  // NaN becomes exact_low
+    floor_lanes(g, g);
+    pos = __builtin_convertvector(g, Index) - origin;
+  }
+
   // Lanes whose value is in no bin: outside the range, or NaN.
   void outside(const Vec& v, Index& out) const { out = (v < first) | ~(v <= top); }
 
@@ -87,13 +108,19 @@ struct VectorBins {
 
   // Each lane's bin, or all ones (kNoBinCode once narrowed to a byte) for a value in no bin, for
   // two vectors at once: one test of whether any guess needs settling.
+  template <bool Exact>
   void code(const Vec& a, const Vec& b, Index& code_a, Index& code_b) const {
-    Index unsure_a, unsure_b;
-    guess(a, code_a, unsure_a);
-    guess(b, code_b, unsure_b);
-    if (any_lane(unsure_a | unsure_b)) {
-      settle(a, code_a);
-      settle(b, code_b);
+    if constexpr (Exact) {
+      exact_position(a, code_a);
+      exact_position(b, code_b);
+    } else {
+      Index unsure_a, unsure_b;
+      guess(a, code_a, unsure_a);
+      guess(b, code_b, unsure_b);
+      if (any_lane(unsure_a | unsure_b)) {
+        settle(a, code_a);
+        settle(b, code_b);
+      }
     }
     Index none;
     outside(a, none);
@@ -104,6 +131,8 @@ struct VectorBins {
 
   const BinTable<Acc>& table;
   const Vec scale, offset, low, high, first, top, near_low, near_high;
+  const Index origin;
+  const Vec exact_low, exact_high;
 };
 
 // Bins found for one block, counted in one of kHistLanes lane-private rows so that consecutive
@@ -143,13 +172,12 @@ struct BlockSums {
   int64_t near_zero = 0;
   int64_t binned = 0;  // with a histogram: values looked at in the vector loop
   int64_t packed = 0;  // HistMode::kPacked: bins written
-  int64_t first_bin = kNoBinCode, last_bin = -1;  // HistMode::kCoded: the bins that occur
+  int64_t first_bin = kNoBinCode, last_bin = -1;  // coded modes: the bins that occur
 };
 
 // Where the vector loop writes what it finds of each value's bin: packed bins or byte codes.
 template <typename Acc, HistMode Mode>
-using BinsOut =
-    std::conditional_t<Mode == HistMode::kCoded, uint8_t, typename VectorBins<Acc>::Int>;
+using BinsOut = std::conditional_t<coded(Mode), uint8_t, typename VectorBins<Acc>::Int>;
 
 // One pass over a block, finding histogram bins on the way unless Mode is kNone. Independent
 // 32-byte accumulators keep the FP pipes busy (four for mean and std; two when every statistic is
@@ -196,13 +224,13 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
       }
       if constexpr (Mode == HistMode::kPacked) packed += finder->pack(v, out + packed);
     }
-    if constexpr (Mode == HistMode::kCoded) {
+    if constexpr (coded(Mode)) {
       for (int k = 0; k < kAcc; k += 2) {
         Vec a, b;
         std::memcpy(&a, p + i + k * lanes, sizeof(Vec));
         std::memcpy(&b, p + i + (k + 1) * lanes, sizeof(Vec));
         typename Bins::Index code_a, code_b;
-        finder->code(a, b, code_a, code_b);
+        finder->template code<Mode == HistMode::kExactCoded>(a, b, code_a, code_b);
         typename Bins::CodeBytes bytes;
         narrow_codes(code_a, code_b, bytes);
         std::memcpy(out + i + k * lanes, &bytes, sizeof(bytes));
@@ -215,7 +243,7 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
   BlockSums<Acc> s;
   s.packed = packed;
   s.binned = i;
-  if constexpr (Mode == HistMode::kCoded) {
+  if constexpr (coded(Mode)) {
     for (int64_t j = 0; j < 2 * lanes; ++j) {
       s.first_bin = lowest[j] < s.first_bin ? lowest[j] : s.first_bin;
       s.last_bin = highest[j] > s.last_bin ? highest[j] : s.last_bin;
@@ -259,7 +287,7 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
 template <typename Acc, HistMode Mode>
 inline void count_block_bins(const BlockSums<Acc>& s, BinsOut<Acc, Mode>* found, const Acc* p,
                              int64_t n, const BinTable<Acc>& t, uint32_t* rows) {
-  if constexpr (Mode == HistMode::kCoded) {
+  if constexpr (coded(Mode)) {
     const int64_t vectors = (s.binned + kCodeVector - 1) / kCodeVector;
     std::memset(found + s.binned, kNoBinCode, vectors * kCodeVector - s.binned);
     count_codes(found, vectors, s.first_bin, s.last_bin, rows);
@@ -374,10 +402,13 @@ Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<
   Stats total;
   [[maybe_unused]] Acc buffer[std::is_same_v<T, Acc> ? 1 : kBlock];
   const std::optional<VectorBins<Acc>> finder =
-      hist_rows != nullptr
-          ? std::optional<VectorBins<Acc>>(std::in_place, *params.bins, params.bin_margin)
-          : std::nullopt;
-  const bool coded = finder && params.bins->bins <= kMaxCodedBins;
+      hist_rows != nullptr ? std::optional<VectorBins<Acc>>(std::in_place, *params.bins,
+                                                            params.bin_margin, params.exact_origin)
+                           : std::nullopt;
+  const HistMode mode = !finder                                 ? HistMode::kNone
+                        : params.bins->bins > kMaxCodedBins     ? HistMode::kPacked
+                        : params.exact_origin != kNoExactOrigin ? HistMode::kExactCoded
+                                                                : HistMode::kCoded;
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = n - b < kBlock ? n - b : kBlock;
     const Acc* values;
@@ -390,12 +421,26 @@ Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<
     // Every block re-centres on the running mean, so no choice of first values spoils the rest.
     const Acc shift =
         b == 0 ? head_mean(values, len) : finite_or_zero(static_cast<Acc>(total.mean));
-    const Stats block = !finder ? block_stats<Acc, Full, HistMode::kNone>(
-                                      values, len, shift, params.near_zero, nullptr, nullptr)
-                        : coded ? block_stats<Acc, Full, HistMode::kCoded>(
-                                      values, len, shift, params.near_zero, &*finder, hist_rows)
-                                : block_stats<Acc, Full, HistMode::kPacked>(
-                                      values, len, shift, params.near_zero, &*finder, hist_rows);
+    const VectorBins<Acc>* bins = finder ? &*finder : nullptr;
+    Stats block;
+    switch (mode) {
+      case HistMode::kNone:
+        block = block_stats<Acc, Full, HistMode::kNone>(values, len, shift, params.near_zero,
+                                                        nullptr, nullptr);
+        break;
+      case HistMode::kCoded:
+        block = block_stats<Acc, Full, HistMode::kCoded>(values, len, shift, params.near_zero, bins,
+                                                         hist_rows);
+        break;
+      case HistMode::kExactCoded:
+        block = block_stats<Acc, Full, HistMode::kExactCoded>(values, len, shift, params.near_zero,
+                                                              bins, hist_rows);
+        break;
+      case HistMode::kPacked:
+        block = block_stats<Acc, Full, HistMode::kPacked>(values, len, shift, params.near_zero,
+                                                          bins, hist_rows);
+        break;
+    }
     total = merge<Full>(total, block);
   }
   return total;

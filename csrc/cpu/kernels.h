@@ -12,12 +12,16 @@
 namespace fasthooks {
 
 // What a chunk kernel needs besides the values; `bins` is null without a histogram. A first
-// guess of a bin whose fractional part is within `bin_margin` of an integer may be off by one.
+// guess of a bin whose fractional part is within `bin_margin` of an integer may be off by one,
+// unless `exact_origin` is not kNoExactOrigin: then every guess is exact (see exact_origin in
+// accumulate_cpu.cpp).
+constexpr int64_t kNoExactOrigin = INT64_MIN;
 template <typename Acc>
 struct ChunkParams {
   Acc near_zero;
   const BinTable<Acc>* bins;
   Acc bin_margin;
+  int64_t exact_origin;
 };
 
 // Statistics of n contiguous values; with a histogram, each value's bin is counted in one of

@@ -1,4 +1,5 @@
 // The portable chunk kernels: baseline instruction set of the target.
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -21,6 +22,11 @@ template <typename Vec>
 inline void clamp_lanes(const Vec& v, const Vec& low, const Vec& high, Vec& out) {
   const Vec above = v > low ? v : low;  // NaN becomes low
   out = above < high ? above : high;
+}
+
+template <typename Vec>
+inline void floor_lanes(const Vec& v, Vec& out) {
+  for (size_t j = 0; j < sizeof(Vec) / sizeof(v[0]); ++j) out[j] = std::floor(v[j]);
 }
 
 template <typename Index>
