@@ -395,20 +395,13 @@ inline Stats block_stats(const Acc* p, int64_t n, Acc shift, Acc near_zero,
   return b;
 }
 
-template <typename T, bool Full>
-Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<T>::type>& params,
-                  uint32_t* hist_rows) {
+// Statistics of n contiguous values block by block, the histogram counted the way Mode says.
+template <typename T, bool Full, HistMode Mode>
+Stats blocks_stats(const T* p, int64_t n, typename Accumulator<T>::type near_zero,
+                   const VectorBins<typename Accumulator<T>::type>* finder, uint32_t* hist_rows) {
   using Acc = typename Accumulator<T>::type;
   Stats total;
   [[maybe_unused]] Acc buffer[std::is_same_v<T, Acc> ? 1 : kBlock];
-  const std::optional<VectorBins<Acc>> finder =
-      hist_rows != nullptr ? std::optional<VectorBins<Acc>>(std::in_place, *params.bins,
-                                                            params.bin_margin, params.exact_origin)
-                           : std::nullopt;
-  const HistMode mode = !finder                                 ? HistMode::kNone
-                        : params.bins->bins > kMaxCodedBins     ? HistMode::kPacked
-                        : params.exact_origin != kNoExactOrigin ? HistMode::kExactCoded
-                                                                : HistMode::kCoded;
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = n - b < kBlock ? n - b : kBlock;
     const Acc* values;
@@ -421,29 +414,27 @@ Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<
     // Every block re-centres on the running mean, so no choice of first values spoils the rest.
     const Acc shift =
         b == 0 ? head_mean(values, len) : finite_or_zero(static_cast<Acc>(total.mean));
-    const VectorBins<Acc>* bins = finder ? &*finder : nullptr;
-    Stats block;
-    switch (mode) {
-      case HistMode::kNone:
-        block = block_stats<Acc, Full, HistMode::kNone>(values, len, shift, params.near_zero,
-                                                        nullptr, nullptr);
-        break;
-      case HistMode::kCoded:
-        block = block_stats<Acc, Full, HistMode::kCoded>(values, len, shift, params.near_zero, bins,
-                                                         hist_rows);
-        break;
-      case HistMode::kExactCoded:
-        block = block_stats<Acc, Full, HistMode::kExactCoded>(values, len, shift, params.near_zero,
-                                                              bins, hist_rows);
-        break;
-      case HistMode::kPacked:
-        block = block_stats<Acc, Full, HistMode::kPacked>(values, len, shift, params.near_zero,
-                                                          bins, hist_rows);
-        break;
-    }
-    total = merge<Full>(total, block);
+    total = merge<Full>(
+        total, block_stats<Acc, Full, Mode>(values, len, shift, near_zero, finder, hist_rows));
   }
   return total;
+}
+
+template <typename T, bool Full>
+Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<T>::type>& params,
+                  uint32_t* hist_rows) {
+  using Acc = typename Accumulator<T>::type;
+  if (hist_rows == nullptr) {
+    return blocks_stats<T, Full, HistMode::kNone>(p, n, params.near_zero, nullptr, nullptr);
+  }
+  const VectorBins<Acc> finder(*params.bins, params.bin_margin, params.exact_origin);
+  if (params.bins->bins > kMaxCodedBins) {
+    return blocks_stats<T, Full, HistMode::kPacked>(p, n, params.near_zero, &finder, hist_rows);
+  }
+  if (params.exact_origin != kNoExactOrigin) {
+    return blocks_stats<T, Full, HistMode::kExactCoded>(p, n, params.near_zero, &finder, hist_rows);
+  }
+  return blocks_stats<T, Full, HistMode::kCoded>(p, n, params.near_zero, &finder, hist_rows);
 }
 
 inline ChunkKernels make_kernels() {

@@ -5,7 +5,6 @@
 #include <immintrin.h>
 
 #include <cstring>
-#include <optional>
 #include <type_traits>
 
 #include "kernels.h"

@@ -1,7 +1,6 @@
 // The portable chunk kernels: baseline instruction set of the target.
 #include <cmath>
 #include <cstring>
-#include <optional>
 #include <type_traits>
 
 #include "kernels.h"
