@@ -11,6 +11,7 @@ Build without pip's build isolation (`pip install --no-build-isolation .`) so th
 already installed is the one compiled against; an isolated build stops at once saying so.
 """
 
+import importlib.util
 import os
 import re
 import sys
@@ -24,9 +25,16 @@ VERSION = re.search(
 ).group(1)
 
 
-# torch's stable ABI appeared in 2.10; the extension is compiled for that version's ABI.
-MIN_STABLE_ABI_TORCH = (2, 10)
-STABLE_ABI_TARGET = (2 << 56) | (10 << 48)
+# The extension is compiled for the stable ABI of the oldest torch it serves (fasthooks's own
+# definition, read without importing the package).
+_spec = importlib.util.spec_from_file_location(
+    "torch_support", ROOT / "fasthooks" / "torch_support.py"
+)
+torch_support = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(torch_support)
+MIN_STABLE_ABI_TORCH = torch_support.MIN_TORCH
+MIN_TORCH_TEXT = torch_support.MIN_TORCH_TEXT
+STABLE_ABI_TARGET = (MIN_STABLE_ABI_TORCH[0] << 56) | (MIN_STABLE_ABI_TORCH[1] << 48)
 # Volta to Hopper, and PTX for later GPUs: the kernels need sm_70 (warp match instructions).
 DEFAULT_CUDA_ARCHS = "7.0;7.5;8.0;8.6;8.9;9.0+PTX"
 NO_TORCH = (
@@ -92,10 +100,10 @@ def extension_build():
         import torch
     except ImportError as error:
         raise SystemExit(NO_TORCH.format(error=error)) from None
-    if _torch_version(torch.__version__) < MIN_STABLE_ABI_TORCH:
+    if torch_support.torch_version(torch.__version__) < MIN_STABLE_ABI_TORCH:
         _say(
-            f"torch {torch.__version__} predates the stable ABI (torch >= 2.10) that fasthooks._C "
-            "is built on: pure-Python install; ActivationStats uses backend='python'"
+            f"torch {torch.__version__} predates the stable ABI (torch >= {MIN_TORCH_TEXT}) that "
+            "fasthooks._C is built on: pure-Python install; ActivationStats uses backend='python'"
         )
         return [], {}
     from torch.utils import cpp_extension
@@ -115,16 +123,14 @@ def extension_build():
             py_limited_api=True,
         )
     else:
-        _say(f"building CPU kernels with torch {torch.__version__}'s headers, for torch >= 2.10")
+        _say(
+            f"building CPU kernels with torch {torch.__version__}'s headers, "
+            f"for torch >= {MIN_TORCH_TEXT}"
+        )
         extension = cpp_extension.CppExtension(
             "fasthooks._C", sources, extra_compile_args={"cxx": cxx}, py_limited_api=True
         )
     return [extension], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
-
-
-def _torch_version(version: str) -> tuple[int, int]:
-    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
-    return int(major), int(minor)
 
 
 ext_modules, cmdclass = extension_build()
@@ -138,7 +144,7 @@ setup(
     packages=find_packages(include=["fasthooks", "fasthooks.*"]),
     python_requires=">=3.10",
     # The binary serves every torch from 2.10 on; the pure-Python package any torch from 2.4.
-    install_requires=["torch>=2.10" if ext_modules else "torch>=2.4"],
+    install_requires=[f"torch>={MIN_TORCH_TEXT}" if ext_modules else "torch>=2.4"],
     extras_require={
         "demo": ["matplotlib", "scikit-learn", "tqdm"],
         "pandas": ["pandas"],

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from .moments import accumulate_stats_python
+from .torch_support import MIN_TORCH, MIN_TORCH_TEXT, torch_version
 
 # (x, state, stats, extra, hist, workspace, cursor, slot, near_zero, hist_min, hist_max)
 Accumulate = Callable[..., None]
@@ -26,20 +27,7 @@ BUILD_HINT = (
 )
 
 
-# fasthooks._C uses torch's stable ABI only, which torch provides from this version on.
-MIN_TORCH = (2, 10)
-UPGRADE_HINT = "upgrade torch to 2.10 or later"
-
-
-def torch_version(version: str) -> tuple[int, int]:
-    """(major, minor) of a torch version string.
-
-    Example:
-        >>> torch_version("2.9.1+cu128")
-        (2, 9)
-    """
-    major, minor = version.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+UPGRADE_HINT = f"upgrade torch to {MIN_TORCH_TEXT} or later"
 
 
 def _load_extension() -> str | None:
@@ -48,7 +36,7 @@ def _load_extension() -> str | None:
         if importlib.util.find_spec("fasthooks._C") is None:
             return "ModuleNotFoundError: no fasthooks._C"
         return (
-            f"fasthooks._C is built on torch's stable ABI, which needs torch >= 2.10; "
+            f"fasthooks._C is built on torch's stable ABI, which needs torch >= {MIN_TORCH_TEXT}; "
             f"this is torch {torch.__version__}"
         )
     try:
