@@ -84,6 +84,8 @@ def machine_line() -> str:
     """The machine a run was on, for the header of a results table."""
     import torch  # only here: the timing helpers themselves need no torch
 
+    from fasthooks.ops import cpu_capability, extension_available
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -92,5 +94,7 @@ def machine_line() -> str:
         pass
     return (
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), {time.strftime('%Y-%m-%d')}"
+        f"({torch.get_num_threads()} threads), "
+        f"fasthooks CPU kernels {cpu_capability() if extension_available() else 'absent'}, "
+        f"{time.strftime('%Y-%m-%d')}"
     )

@@ -8,24 +8,39 @@
 namespace fasthooks {
 namespace {
 
-bool cpu_has_avx2() {
+// From the least capable to the most; each runs where the CPU has its instructions.
+constexpr const char* kCapabilities[] = {"default", "avx2", "avx512"};
+
+bool cpu_supports(const char* capability) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-#else
-  return false;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (std::strcmp(capability, "avx2") == 0) return avx2;
+  if (std::strcmp(capability, "avx512") == 0) {
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  }
 #endif
+  return std::strcmp(capability, "default") == 0;
 }
 
+// The most capable set the CPU supports, up to FASTHOOKS_CPU_CAPABILITY where it is set.
 const char* choose_capability() {
-  const char* forced = std::getenv("FASTHOOKS_CPU_CAPABILITY");
-  if (forced != nullptr && *forced != '\0') {
-    FASTHOOKS_CHECK(std::strcmp(forced, "default") == 0 || std::strcmp(forced, "avx2") == 0,
-                    "FASTHOOKS_CPU_CAPABILITY must be 'default' or 'avx2', got '", forced, "'");
-    if (std::strcmp(forced, "default") == 0) return "default";
+  const char* ceiling = std::getenv("FASTHOOKS_CPU_CAPABILITY");
+  const bool capped = ceiling != nullptr && *ceiling != '\0';
+  if (capped) {
+    bool known = false;
+    for (const char* name : kCapabilities) known |= std::strcmp(ceiling, name) == 0;
+    FASTHOOKS_CHECK(known, "FASTHOOKS_CPU_CAPABILITY must be 'default', 'avx2' or 'avx512', got '",
+                    ceiling, "'");
   }
-  return cpu_has_avx2() ? "avx2" : "default";
+  const char* chosen = kCapabilities[0];
+  for (const char* name : kCapabilities) {
+    if (cpu_supports(name)) chosen = name;
+    if (capped && std::strcmp(name, ceiling) == 0) break;
+  }
+  return chosen;
 }
 
 }  // namespace
@@ -38,7 +53,9 @@ const char* cpu_capability_name() {
 const ChunkKernels& cpu_kernels() {
 #if defined(__x86_64__) || defined(__i386__)
   static const ChunkKernels& kernels =
-      std::strcmp(cpu_capability_name(), "avx2") == 0 ? avx2_kernels : default_kernels;
+      std::strcmp(cpu_capability_name(), "avx512") == 0 ? avx512_kernels
+      : std::strcmp(cpu_capability_name(), "avx2") == 0 ? avx2_kernels
+                                                        : default_kernels;
   return kernels;
 #else
   return default_kernels;

@@ -5,8 +5,9 @@
 
 namespace fasthooks {
 
-// "avx2" where the CPU has AVX2, FMA and F16C, else "default". The environment variable
-// FASTHOOKS_CPU_CAPABILITY=default forces the portable kernels (read once, at first use).
+// "avx512" where the CPU has AVX-512 F, BW, DQ and VL besides AVX2; "avx2" where it has AVX2, FMA
+// and F16C; else "default". The environment variable FASTHOOKS_CPU_CAPABILITY caps the choice
+// ("default" forces the portable kernels; read once, at first use).
 const char* cpu_capability_name();
 const ChunkKernels& cpu_kernels();
 

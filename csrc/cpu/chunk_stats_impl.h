@@ -1,6 +1,7 @@
 // Statistics of one chunk of contiguous values, in one read pass. This file is included inside an
-// instruction-set namespace by kernels_<isa>.cpp, which first defines half_to_float(); it
-// includes nothing, so that each inclusion compiles for its own target.
+// instruction-set namespace by kernels_<isa>.cpp, which first defines kVectorBytes (the width of
+// its vectors), half_to_float() and the vector primitives; it includes nothing, so that each
+// inclusion compiles for its own target.
 
 template <typename T>
 struct Accumulator {
@@ -19,16 +20,17 @@ constexpr int64_t kBlock = 2048;
 constexpr int64_t kPrefetchBytes = 16384;
 
 // How a block's histogram is counted: with few bins, each value's bin goes into a byte code
-// (255: in no bin) and the codes are counted by comparing 32 at a time with each bin that occurs;
-// with many, the bins of the values in range are packed and counted one by one. kExactCoded is
-// kCoded where the first guess of a bin is provably exact (ChunkParams::exact_origin).
+// (255: in no bin) and the codes are counted by comparing a vector of them at a time with each bin
+// that occurs; with many, the bins of the values in range are packed and counted one by one.
+// kExactCoded is kCoded where the first guess of a bin is provably exact
+// (ChunkParams::exact_origin).
 enum class HistMode { kNone, kCoded, kExactCoded, kPacked };
 constexpr bool coded(HistMode mode) {
   return mode == HistMode::kCoded || mode == HistMode::kExactCoded;
 }
 constexpr int64_t kNoBinCode = 255;
 constexpr int64_t kMaxCodedBins = 64;
-constexpr int64_t kCodeVector = 32;
+constexpr int64_t kCodeVector = kVectorBytes;
 static_assert(kBlock / kCodeVector <= 255, "a byte counter per lane must not wrap within a block");
 
 // Finds the bins of a vector of values. A first guess is clamped to [0.5, bins - 0.5] (a value in
@@ -38,10 +40,10 @@ static_assert(kBlock / kCodeVector <= 255, "a byte counter per lane must not wra
 // (measured: 12 ns a value).
 template <typename Acc>
 struct VectorBins {
-  typedef Acc Vec __attribute__((vector_size(32)));
+  typedef Acc Vec __attribute__((vector_size(kVectorBytes)));
   using Index = decltype(Vec{} < Vec{});
   using Int = std::conditional_t<sizeof(Acc) == 4, int32_t, int64_t>;
-  static constexpr int64_t lanes = 32 / sizeof(Acc);
+  static constexpr int64_t lanes = kVectorBytes / sizeof(Acc);
   // The codes of two vectors, as bytes: unsigned (kNoBinCode is the largest) and signed (it is -1).
   typedef uint8_t CodeBytes __attribute__((vector_size(2 * lanes)));
   typedef int8_t SignedCodeBytes __attribute__((vector_size(2 * lanes)));
@@ -159,7 +161,7 @@ inline void count_codes(const uint8_t* codes, int64_t vectors, int64_t first, in
     for (int64_t j = 0; j < vectors; ++j) {
       Bytes v;
       std::memcpy(&v, codes + j * kCodeVector, sizeof(v));
-      for (int64_t q = 0; q < kKeys; ++q) hits[q] -= (Bytes)(v == key[q]);
+      for (int64_t q = 0; q < kKeys; ++q) count_equal(v, key[q], hits[q]);
     }
     for (int64_t q = 0; q < kKeys && k + q <= last; ++q) row[k + q] += sum_bytes(hits[q]);
   }
@@ -180,16 +182,16 @@ template <typename Acc, HistMode Mode>
 using BinsOut = std::conditional_t<coded(Mode), uint8_t, typename VectorBins<Acc>::Int>;
 
 // One pass over a block, finding histogram bins on the way unless Mode is kNone. Independent
-// 32-byte accumulators keep the FP pipes busy (four for mean and std; two when every statistic is
-// on, which would otherwise run out of registers); GCC's vector extension compiles them to AVX2
-// in the AVX2 kernels and to SSE2 pairs in the portable.
+// vector accumulators keep the FP pipes busy (four for mean and std; two when every statistic is
+// on, which would otherwise run out of registers); GCC's vector extension compiles them to AVX-512
+// or AVX2 in those kernels and to SSE2 pairs in the portable.
 template <typename Acc, bool Full, HistMode Mode>
 inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_zero,
                                  const VectorBins<Acc>* finder, BinsOut<Acc, Mode>* out) {
-  typedef Acc Vec __attribute__((vector_size(32)));
+  typedef Acc Vec __attribute__((vector_size(kVectorBytes)));
   using Mask = decltype(Vec{} <= Vec{});
   using Bins = VectorBins<Acc>;
-  constexpr int64_t lanes = 32 / sizeof(Acc);
+  constexpr int64_t lanes = kVectorBytes / sizeof(Acc);
   constexpr int kAcc = Full ? 2 : 4;
   const Vec shift_v = Vec{} + shift;
   const Vec near_zero_v = Vec{} + near_zero;
@@ -206,8 +208,7 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
   int64_t i = 0;
   for (; i + kAcc * lanes <= n; i += kAcc * lanes) {
     const char* ahead = reinterpret_cast<const char*>(p + i) + kPrefetchBytes;
-    __builtin_prefetch(ahead);
-    if (kAcc * lanes * sizeof(Acc) > 64) __builtin_prefetch(ahead + 64);
+    for (int64_t line = 0; line < kAcc * kVectorBytes; line += 64) __builtin_prefetch(ahead + line);
     for (int k = 0; k < kAcc; ++k) {
       Vec v;
       std::memcpy(&v, p + i + k * lanes, sizeof(Vec));

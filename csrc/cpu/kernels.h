@@ -41,6 +41,7 @@ struct ChunkKernels {
 extern const ChunkKernels default_kernels;
 #if defined(__x86_64__) || defined(__i386__)
 extern const ChunkKernels avx2_kernels;
+extern const ChunkKernels avx512_kernels;
 #endif
 
 }  // namespace fasthooks

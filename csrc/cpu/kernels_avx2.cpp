@@ -15,6 +15,8 @@
 namespace fasthooks {
 namespace avx2 {
 
+constexpr int64_t kVectorBytes = 32;
+
 inline void half_to_float(const torch::headeronly::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -118,6 +120,12 @@ inline int64_t sum_bytes(const Bytes32& bytes) {
   const __m128i half =
       _mm_add_epi64(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
   return _mm_cvtsi128_si64(half) + _mm_extract_epi64(half, 1);
+}
+
+// Adds one to each byte of hits where codes equals key (a true comparison is -1).
+template <typename Bytes>
+inline void count_equal(const Bytes& codes, const Bytes& key, Bytes& hits) {
+  hits -= (Bytes)(codes == key);
 }
 
 #include "chunk_stats_impl.h"

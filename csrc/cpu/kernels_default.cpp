@@ -8,6 +8,8 @@
 namespace fasthooks {
 namespace portable {
 
+constexpr int64_t kVectorBytes = 32;
+
 inline void half_to_float(const torch::headeronly::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -60,6 +62,12 @@ inline int64_t sum_bytes(const Bytes& bytes) {
   int64_t sum = 0;
   for (size_t j = 0; j < sizeof(Bytes); ++j) sum += bytes[j];
   return sum;
+}
+
+// Adds one to each byte of hits where codes equals key (a true comparison is -1).
+template <typename Bytes>
+inline void count_equal(const Bytes& codes, const Bytes& key, Bytes& hits) {
+  hits -= (Bytes)(codes == key);
 }
 
 #include "chunk_stats_impl.h"

@@ -1,0 +1,130 @@
+// The AVX-512 chunk kernels (F, BW, DQ and VL: every x86-64 server CPU with AVX-512). Every header
+// is included before the target pragma, so that no inline function shared with the other kernels
+// is compiled for AVX-512 here.
+#if defined(__x86_64__) || defined(__i386__)
+
+#include <immintrin.h>
+
+#include <cstring>
+#include <type_traits>
+
+#include "kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")
+
+namespace fasthooks {
+namespace avx512 {
+
+constexpr int64_t kVectorBytes = 64;
+
+inline void half_to_float(const torch::headeronly::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_maskz_cvtph_ps(0xffff, bits));
+  }
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i].x);
+}
+
+typedef float Float16 __attribute__((vector_size(64)));
+typedef int32_t Int16 __attribute__((vector_size(64)));
+typedef double Double8 __attribute__((vector_size(64)));
+typedef int64_t Long8 __attribute__((vector_size(64)));
+
+// The masked forms throughout: GCC 12's unmasked ones start from an undefined vector and warn.
+inline void gather(const float* table, const Int16& index, Float16& out) {
+  out = reinterpret_cast<Float16>(_mm512_mask_i32gather_ps(
+      _mm512_setzero_ps(), 0xffff, reinterpret_cast<__m512i>(index), table, 4));
+}
+inline void gather(const double* table, const Long8& index, Double8& out) {
+  out = reinterpret_cast<Double8>(_mm512_mask_i64gather_pd(
+      _mm512_setzero_pd(), 0xff, reinterpret_cast<__m512i>(index), table, 8));
+}
+
+template <typename Vec>
+inline void clamp_lanes(const Vec& v, const Vec& low, const Vec& high, Vec& out) {
+  const Vec above = v > low ? v : low;  // vmaxps: NaN becomes low
+  out = above < high ? above : high;
+}
+
+constexpr int kFloor = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
+inline void floor_lanes(const Float16& v, Float16& out) {
+  out = reinterpret_cast<Float16>(
+      _mm512_maskz_roundscale_ps(0xffff, reinterpret_cast<__m512>(v), kFloor));
+}
+inline void floor_lanes(const Double8& v, Double8& out) {
+  out = reinterpret_cast<Double8>(
+      _mm512_maskz_roundscale_pd(0xff, reinterpret_cast<__m512d>(v), kFloor));
+}
+
+inline bool any_lane(const Int16& mask) {
+  const __m512i m = reinterpret_cast<__m512i>(mask);
+  return _mm512_test_epi32_mask(m, m) != 0;
+}
+inline bool any_lane(const Long8& mask) {
+  const __m512i m = reinterpret_cast<__m512i>(mask);
+  return _mm512_test_epi64_mask(m, m) != 0;
+}
+
+// Stores the lanes of index selected by mask contiguously at out (a whole vector is written);
+// returns how many there were.
+inline int64_t pack_lanes(const Int16& index, const Int16& mask, int32_t* out) {
+  const __m512i m = reinterpret_cast<__m512i>(mask);
+  const __mmask16 keep = _mm512_test_epi32_mask(m, m);
+  _mm512_storeu_si512(out, _mm512_maskz_compress_epi32(keep, reinterpret_cast<__m512i>(index)));
+  return __builtin_popcount(keep);
+}
+inline int64_t pack_lanes(const Long8& index, const Long8& mask, int64_t* out) {
+  const __m512i m = reinterpret_cast<__m512i>(mask);
+  const __mmask8 keep = _mm512_test_epi64_mask(m, m);
+  _mm512_storeu_si512(out, _mm512_maskz_compress_epi64(keep, reinterpret_cast<__m512i>(index)));
+  return __builtin_popcount(keep);
+}
+
+// Two vectors of bin codes (-1 for none) as bytes, in order: signed saturation keeps -1 as 0xff.
+template <typename Bytes>
+inline void narrow_codes(const Int16& a, const Int16& b, Bytes& out) {
+  static_assert(sizeof(Bytes) == 32);
+  const __m128i low = _mm512_maskz_cvtsepi32_epi8(0xffff, reinterpret_cast<__m512i>(a));
+  const __m128i high = _mm512_maskz_cvtsepi32_epi8(0xffff, reinterpret_cast<__m512i>(b));
+  out = reinterpret_cast<Bytes>(_mm256_set_m128i(high, low));
+}
+template <typename Bytes>
+inline void narrow_codes(const Long8& a, const Long8& b, Bytes& out) {
+  static_assert(sizeof(Bytes) == 16);
+  const __m128i low = _mm512_maskz_cvtsepi64_epi8(0xff, reinterpret_cast<__m512i>(a));
+  const __m128i high = _mm512_maskz_cvtsepi64_epi8(0xff, reinterpret_cast<__m512i>(b));
+  out = reinterpret_cast<Bytes>(_mm_unpacklo_epi64(low, high));
+}
+
+typedef uint8_t Bytes64 __attribute__((vector_size(64)));
+inline int64_t sum_bytes(const Bytes64& bytes) {
+  const Long8 sums = reinterpret_cast<Long8>(
+      _mm512_sad_epu8(reinterpret_cast<__m512i>(bytes), _mm512_setzero_si512()));
+  int64_t sum = 0;
+  for (int j = 0; j < 8; ++j) sum += sums[j];
+  return sum;
+}
+
+// Adds one to each byte of hits where codes equals key: a compare into a mask and a masked add.
+inline void count_equal(const Bytes64& codes, const Bytes64& key, Bytes64& hits) {
+  const __mmask64 equal =
+      _mm512_cmpeq_epi8_mask(reinterpret_cast<__m512i>(codes), reinterpret_cast<__m512i>(key));
+  hits = reinterpret_cast<Bytes64>(_mm512_mask_add_epi8(reinterpret_cast<__m512i>(hits), equal,
+                                                        reinterpret_cast<__m512i>(hits),
+                                                        _mm512_set1_epi8(1)));
+}
+
+#include "chunk_stats_impl.h"
+
+}  // namespace avx512
+}  // namespace fasthooks
+
+#pragma GCC pop_options
+
+namespace fasthooks {
+const ChunkKernels avx512_kernels = avx512::make_kernels();
+}  // namespace fasthooks
+
+#endif
