@@ -92,8 +92,8 @@ struct VectorBins {
   void exact_position(const Vec& v, Index& pos) const {
     Vec g;
     clamp_lanes(v * scale, exact_low, exact_high, g);  // NaN becomes exact_low
-    floor_lanes(g, g);
-    pos = __builtin_convertvector(g, Index) - origin;
+    floor_to_index(g, pos);
+    pos -= origin;
   }
 
   // Lanes whose value is in no bin: outside the range, or NaN.

@@ -48,11 +48,14 @@ inline void clamp_lanes(const Double4& v, const Double4& low, const Double4& hig
   out = reinterpret_cast<Double4>(_mm256_min_pd(above, reinterpret_cast<__m256d>(high)));
 }
 
-inline void floor_lanes(const Float8& v, Float8& out) {
-  out = reinterpret_cast<Float8>(_mm256_floor_ps(reinterpret_cast<__m256>(v)));
+// Each lane rounded down to a whole number, as an index.
+inline void floor_to_index(const Float8& v, Int8& out) {
+  out = __builtin_convertvector(
+      reinterpret_cast<Float8>(_mm256_floor_ps(reinterpret_cast<__m256>(v))), Int8);
 }
-inline void floor_lanes(const Double4& v, Double4& out) {
-  out = reinterpret_cast<Double4>(_mm256_floor_pd(reinterpret_cast<__m256d>(v)));
+inline void floor_to_index(const Double4& v, Long4& out) {
+  out = __builtin_convertvector(
+      reinterpret_cast<Double4>(_mm256_floor_pd(reinterpret_cast<__m256d>(v))), Long4);
 }
 
 inline bool any_lane(const Int8& mask) {

@@ -48,14 +48,15 @@ inline void clamp_lanes(const Vec& v, const Vec& low, const Vec& high, Vec& out)
   out = above < high ? above : high;
 }
 
+// Each lane rounded down to a whole number, as an index: the conversion rounds down itself.
 constexpr int kFloor = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
-inline void floor_lanes(const Float16& v, Float16& out) {
-  out = reinterpret_cast<Float16>(
-      _mm512_maskz_roundscale_ps(0xffff, reinterpret_cast<__m512>(v), kFloor));
+inline void floor_to_index(const Float16& v, Int16& out) {
+  out = reinterpret_cast<Int16>(
+      _mm512_maskz_cvt_roundps_epi32(0xffff, reinterpret_cast<__m512>(v), kFloor));
 }
-inline void floor_lanes(const Double8& v, Double8& out) {
-  out = reinterpret_cast<Double8>(
-      _mm512_maskz_roundscale_pd(0xff, reinterpret_cast<__m512d>(v), kFloor));
+inline void floor_to_index(const Double8& v, Long8& out) {
+  out = reinterpret_cast<Long8>(
+      _mm512_maskz_cvt_roundpd_epi64(0xff, reinterpret_cast<__m512d>(v), kFloor));
 }
 
 inline bool any_lane(const Int16& mask) {

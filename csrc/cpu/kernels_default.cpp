@@ -25,8 +25,8 @@ inline void clamp_lanes(const Vec& v, const Vec& low, const Vec& high, Vec& out)
   out = above < high ? above : high;
 }
 
-template <typename Vec>
-inline void floor_lanes(const Vec& v, Vec& out) {
+template <typename Vec, typename Index>
+inline void floor_to_index(const Vec& v, Index& out) {
   for (size_t j = 0; j < sizeof(Vec) / sizeof(v[0]); ++j) out[j] = std::floor(v[j]);
 }
 
