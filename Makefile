@@ -22,7 +22,7 @@ CUDA_ARCHS ?= 8.0;9.0
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor-cache
 export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 
-.PHONY: setup build install demo test test-cpu test-cuda-build test-wheel wheel lint bench bench-train bench-quick bench-abi clean
+.PHONY: setup build install demo test test-cpu test-cuda-build test-wheel wheel lint bench bench-train bench-quick bench-cpu bench-abi clean
 
 $(VENV)/.ready: Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -93,6 +93,9 @@ bench-train: build
 
 bench-quick: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/training_overhead.py --quick --out results/training_quick
+
+bench-cpu: build
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/cpu_kernels.py --out results/cpu_kernels
 
 # The same kernels on torch's C++ API (the last commit before the stable-ABI port), built here.
 CPP_API_COMMIT := 1eca956721744daf40780b29a1653acec0e765a9

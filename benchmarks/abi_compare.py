@@ -1,11 +1,10 @@
 """The stable-ABI build of the operator against a build of the same kernels on torch's C++ API.
 
 Two builds cannot register the same operator in one process, so each runs in a worker process
-of its own; the parent asks them for one timing round at a time, alternating which goes first,
-so that machine drift hits both alike. Each worker also times an operator with the same schema
-that does nothing, built on its own API (`benchmarks/abi_floor/`): the calling convention's
-share. Both builds compute the statistics of the same seeded tensors, which must agree bit for
-bit. Writes results.md and results.json to --out.
+of its own (`workers.py`), asked for one timing round at a time. Each worker also times an
+operator with the same schema that does nothing, built on its own API (`benchmarks/abi_floor/`):
+the calling convention's share. Both builds compute the statistics of the same seeded tensors,
+which must agree bit for bit. Writes results.md and results.json to --out.
     python benchmarks/abi_compare.py --baseline DIR --floor DIR --out results/abi_compare
 where --baseline holds a fasthooks package built with the C++ API and --floor the two no-op
 modules (`make bench-abi` prepares both).
@@ -18,10 +17,9 @@ import json
 import os
 import statistics
 import subprocess
-import sys
-import time
 from pathlib import Path
 
+import workers
 from timing import machine_line, markdown_table, time_call
 
 NOOP = "no-op, same schema"
@@ -67,35 +65,21 @@ def worker(noop_module: str) -> None:
     small, small_args = CASES[0][1], calls[CASES[0][0]][1]
     x = torch.randn(small)
     noop_call = lambda: noop(x, *small_args, 0, 0.05, 0.0, 10.0)  # noqa: E731
-    for line in sys.stdin:
-        if line.strip() == "round":
-            out = {NOOP: time_call(noop_call, _calls(small))}
-            out.update(
-                {name: time_call(calls[name][0], _calls(shape)) for name, shape, _, _ in CASES}
-            )
-        else:
-            out = {
-                name: [t.flatten().tolist() for t in args[:4]] for name, (_, args) in calls.items()
-            }
-        print(json.dumps(out), flush=True)
+
+    def timing_round() -> dict:
+        out = {NOOP: time_call(noop_call, _calls(small))}
+        out.update({name: time_call(calls[name][0], _calls(shape)) for name, shape, _, _ in CASES})
+        return out
+
+    def values() -> dict:
+        return {name: [t.flatten().tolist() for t in args[:4]] for name, (_, args) in calls.items()}
+
+    workers.serve({"round": timing_round, "values": values})
 
 
 def _start(package_root: str, floor: str, noop_module: str) -> subprocess.Popen:
     path = os.pathsep.join([package_root, floor, str(Path(__file__).parent)])
-    env = {**os.environ, "PYTHONPATH": path}
-    return subprocess.Popen(
-        [sys.executable, __file__, "--worker", noop_module],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-
-
-def _ask(process: subprocess.Popen, request: str) -> dict:
-    process.stdin.write(request + "\n")
-    process.stdin.flush()
-    return json.loads(process.stdout.readline())
+    return workers.start(__file__, ["--worker", noop_module], {"PYTHONPATH": path})
 
 
 def main() -> None:
@@ -114,18 +98,9 @@ def main() -> None:
         "C++ API": _start(args.baseline, args.floor, "noop_cpp_api"),
     }
     names = [NOOP] + [c[0] for c in CASES]
-    samples: dict[str, dict[str, list[float]]] = {b: {name: [] for name in names} for b in builds}
-    for r in range(args.rounds):
-        order = list(builds) if r % 2 == 0 else list(builds)[::-1]
-        for build in order:
-            # The other worker's OpenMP threads spin a while after its round: let them sleep.
-            time.sleep(0.2)
-            for case, seconds in _ask(builds[build], "round").items():
-                samples[build][case].append(seconds)
-    values = {build: _ask(process, "values") for build, process in builds.items()}
-    for process in builds.values():
-        process.stdin.close()
-        process.wait()
+    samples = workers.timing_rounds(builds, args.rounds)
+    values = {build: workers.ask(process, "values") for build, process in builds.items()}
+    workers.stop(builds)
     same = values["stable ABI"] == values["C++ API"]
     rows, results = [], {"machine": machine_line(), "same_numbers": same, "cases": {}}
     for case in names:

@@ -24,9 +24,9 @@ STATS_PLANES = ("mean", "std")
 EXTRA_PLANES = ("min", "max", "near_zero", "kurtosis")
 # A CUDA block keeps its histogram and the bin edges in shared memory: this many fit on any GPU.
 MAX_HIST_BINS = 2048
-# CUDA kernels keep per-block partial results here: 8 doubles for each of up to 4096 blocks, and
-# the counter of finished blocks.
-CUDA_WORKSPACE_DOUBLES = 8 * 4096 + 1
+# CUDA kernels keep per-block partial results here: the state planes of each of up to 4096
+# blocks, and the counter of finished blocks.
+CUDA_WORKSPACE_DOUBLES = len(STATE_PLANES) * 4096 + 1
 
 COUNT, MEAN, M2, M3, M4, MIN, MAX, NEAR_ZERO, NONFINITE = range(len(STATE_PLANES))
 

@@ -53,15 +53,16 @@ DISTRIBUTIONS = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("full", [False, True], ids=["mean_std", "every_stat"])
 @pytest.mark.parametrize("backend", ["fused", "python"])
 @pytest.mark.parametrize("dist", DISTRIBUTIONS)
 @pytest.mark.parametrize(
     "n", [1_000, 123_457, 5_000_000, pytest.param(50_000_000, marks=pytest.mark.slow)]
 )
-def test_float32_numerics_against_float64_two_pass(backend, dist, n, full):
+def test_float32_numerics_against_float64_two_pass(backend, dist, n, full, device):
     x = DISTRIBUTIONS[dist](n, torch.Generator().manual_seed(n))
-    count, mean, std = _moments(x, backend, full=full)
+    count, mean, std = _moments(x.to(device), backend, full=full)
     assert count == n
     _assert_within_bounds(mean, std, *reference_moments(x), rel_std=1e-6)
 
@@ -361,12 +362,13 @@ EXTREMES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("full", [False, True], ids=["mean_std", "every_stat"])
 @pytest.mark.parametrize("backend", ["fused", "python"])
 @pytest.mark.parametrize("case", EXTREMES)
-def test_values_near_the_largest_finite_stay_finite(backend, case, full):
+def test_values_near_the_largest_finite_stay_finite(backend, case, full, device):
     x = EXTREMES[case](torch.Generator().manual_seed(8))
-    count, mean, std = _moments(x, backend, full=full)
+    count, mean, std = _moments(x.to(device), backend, full=full)
     ref_mean, ref_std = reference_moments(x)
     assert count == x.numel() and math.isfinite(mean) and math.isfinite(std)
     _assert_within_bounds(mean, std, ref_mean, ref_std, rel_std=1e-6)

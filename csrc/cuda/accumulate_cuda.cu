@@ -1,12 +1,13 @@
 // CUDA kernel of fasthooks::accumulate_stats: one launch on the current stream, no host sync, no
 // allocation, no memset.
 //
-// Every thread sums powers of (x - shift) and keeps extremes and counts over a grid-stride range;
-// blocks reduce to partials in the workspace, and the last block to finish combines them in
-// block order (so the result is deterministic), merges them into the state slot at the
-// device-side cursor, writes the finalised statistics and resets the finished-blocks counter for
-// the next call. Histograms are counted per block in shared memory, with one atomic per group of
-// lanes that share a bin, and added to the slot's row at the end of the block.
+// Every thread keeps central moments, extremes and counts of a grid-stride range, summing powers
+// of (x - its running mean) segment by segment; blocks merge them into partials in the
+// workspace, and the last block to finish merges those in block order (so the result is
+// deterministic), merges them into the state slot at the device-side cursor, writes the
+// finalised statistics and resets the finished-blocks counter for the next call. Histograms are
+// counted per block in shared memory, with one atomic per group of lanes that share a bin, and
+// added to the slot's row at the end of the block.
 #include <cuda_runtime.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
@@ -28,15 +29,16 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kVecBytes = 16;
-// Per-block partials: power sums s1..s4, min, max, near-zero count, non-finite count.
-constexpr int kPartials = 8;
-enum Partial { kS1, kS2, kS3, kS4, kPMin, kPMax, kPNearZero, kPNonFinite };
+// Per-block partial results: one Stats, as the state planes.
+constexpr int kPartials = kFullPlanes;
 // Shared memory is sized for the most bins fasthooks/layout.py allows.
 constexpr int64_t kMaxBins = 2048;
+// Loads of a thread summed around one shift before they merge into its moments in double.
+constexpr int kSegmentLoads = 16;
 
-template <typename T>
-struct alignas(kVecBytes) Vec {
-  T val[kVecBytes / sizeof(T)];
+template <typename T, int Width>
+struct alignas(Width * sizeof(T)) Load {
+  T val[Width];
 };
 
 // Half and bfloat16 values are summed in float, as torch's own reductions do.
@@ -93,62 +95,77 @@ struct Buffers {
   double hist_max;
 };
 
-// Only the first Fields entries are combined; the rest stay zero.
-template <int Fields>
-struct Partials {
-  double v[kPartials] = {};
-};
-
-template <int Fields>
-__device__ void combine(Partials<Fields>& a, const Partials<Fields>& b) {
-  for (int f = 0; f < Fields; ++f) {
-    if (f == kPMin) {
-      a.v[f] = nan_min(a.v[f], b.v[f]);
-    } else if (f == kPMax) {
-      a.v[f] = nan_max(a.v[f], b.v[f]);
-    } else {
-      a.v[f] += b.v[f];
-    }
-  }
+// Stats as the state planes (kCount..kNonFinite), so that they can be shuffled and stored.
+__device__ void to_planes(const Stats& s, double* v) {
+  v[kCount] = s.count;
+  v[kMean] = s.mean;
+  v[kM2] = s.m2;
+  v[kM3] = s.m3;
+  v[kM4] = s.m4;
+  v[kMin] = s.min;
+  v[kMax] = s.max;
+  v[kNearZero] = s.near_zero;
+  v[kNonFinite] = s.nonfinite;
+}
+__device__ Stats from_planes(const double* v) {
+  Stats s;
+  s.count = v[kCount];
+  s.mean = v[kMean];
+  s.m2 = v[kM2];
+  s.m3 = v[kM3];
+  s.m4 = v[kM4];
+  s.min = v[kMin];
+  s.max = v[kMax];
+  s.near_zero = v[kNearZero];
+  s.nonfinite = v[kNonFinite];
+  return s;
 }
 
-// Combines p over the block in a fixed order; the result is valid in thread 0.
-template <int Fields>
-__device__ void block_reduce(Partials<Fields>& p) {
-  __shared__ double shared[kWarps][Fields];
+template <bool Full>
+__device__ Stats shuffle_down(const Stats& s, int offset) {
+  constexpr int fields = Full ? kFullPlanes : kBasicPlanes;
+  double v[kFullPlanes];
+  to_planes(s, v);
+  for (int f = 0; f < fields; ++f) v[f] = __shfl_down_sync(0xffffffffu, v[f], offset);
+  return from_planes(v);
+}
+
+// Merges s over the block in a fixed order; the result is valid in thread 0.
+template <bool Full>
+__device__ void block_reduce(Stats& s) {
+  __shared__ double shared[kWarps][kFullPlanes];
   for (int offset = 16; offset > 0; offset /= 2) {
-    Partials<Fields> other;
-    for (int f = 0; f < Fields; ++f) other.v[f] = __shfl_down_sync(0xffffffffu, p.v[f], offset);
-    combine(p, other);
+    const Stats other = shuffle_down<Full>(s, offset);
+    s = merge<Full>(s, other);
   }
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   __syncthreads();  // the shared array may still be read by an earlier call
-  if (lane == 0) {
-    for (int f = 0; f < Fields; ++f) shared[warp][f] = p.v[f];
-  }
+  if (lane == 0) to_planes(s, shared[warp]);
   __syncthreads();
   if (warp == 0) {
-    if (lane < kWarps) {
-      for (int f = 0; f < Fields; ++f) p.v[f] = shared[lane][f];
-    }
+    s = lane < kWarps ? from_planes(shared[lane]) : Stats{};
     for (int offset = kWarps / 2; offset > 0; offset /= 2) {
-      Partials<Fields> other;
-      for (int f = 0; f < Fields; ++f) other.v[f] = __shfl_down_sync(0xffffffffu, p.v[f], offset);
-      if (lane + offset < kWarps) combine(p, other);
+      const Stats other = shuffle_down<Full>(s, offset);
+      if (lane + offset < kWarps) s = merge<Full>(s, other);
     }
   }
 }
 
-template <typename Acc, bool Full, bool Hist>
-struct ThreadState {
-  double s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0;
+// Extremes and counts of a thread's values; NaN is flagged rather than compared.
+template <typename Acc>
+struct Extremes {
   Acc min = static_cast<Acc>(INFINITY);
   Acc max = static_cast<Acc>(-INFINITY);
   bool nan = false;
   int64_t near_zero = 0;
   int64_t nonfinite = 0;
 };
+
+template <typename Acc>
+__device__ Acc finite_or_zero(Acc v) {
+  return v - v == Acc(0) ? v : Acc(0);  // an infinite or NaN shift would poison every value
+}
 
 // Counts v's bin in the block's shared histogram: lanes that share a bin add once, together.
 template <typename Acc>
@@ -160,10 +177,100 @@ __device__ void count_bin(Acc v, const BinTable<Acc>& table, unsigned int* hist)
   }
 }
 
+// The mean of one load, the first shift of a thread: within about a standard deviation of the
+// data unless the data are adversarial, which the far-shift check below catches.
+template <typename Acc, typename T, int Width>
+__device__ Acc load_mean(const Load<T, Width>& v) {
+  Acc sum = 0;
+  for (int k = 0; k < Width; ++k) sum += static_cast<Acc>(v.val[k]);
+  return finite_or_zero(sum / Width);
+}
+
+// Moments of one segment's values (loads begin, begin + step, ... before end) in double, around
+// their own mean: for a segment whose float sums overflowed or whose shift proved far from it.
+template <typename Acc, bool Full, typename T, int Width>
+__device__ Stats segment_in_double(const Load<T, Width>* x, int64_t begin, int64_t end,
+                                   int64_t step) {
+  double sum = 0.0, count = 0.0;
+  for (int64_t i = begin; i < end; i += step) {
+    const Load<T, Width> v = x[i];
+    for (int k = 0; k < Width; ++k) sum += static_cast<double>(static_cast<Acc>(v.val[k]));
+    count += Width;
+  }
+  Stats s;
+  s.count = count;
+  s.mean = sum / count;  // kept as is: an infinite mean stays infinite
+  for (int64_t i = begin; i < end; i += step) {
+    const Load<T, Width> v = x[i];
+    for (int k = 0; k < Width; ++k) {
+      const double d = static_cast<double>(static_cast<Acc>(v.val[k])) - s.mean;
+      s.m2 += d * d;
+      if constexpr (Full) {
+        s.m3 += d * d * d;
+        s.m4 += d * d * d * d;
+      }
+    }
+  }
+  return s;
+}
+
+// A thread's share of `loads` loads of Width values: loads first, first + step, ... Each segment
+// of kSegmentLoads is summed in working precision around the thread's running mean (at first,
+// the mean of its first load) and merged into `moments` in double, so no choice of first values
+// spoils the rest; extremes, counts and the histogram are taken on the way.
+template <typename Acc, bool Full, bool Hist, typename T, int Width>
+__device__ void thread_pass(const Load<T, Width>* x, int64_t loads, int64_t first, int64_t step,
+                            Acc near_zero, const BinTable<Acc>& table, unsigned int* hist,
+                            Stats& moments, Extremes<Acc>& e) {
+  for (int64_t begin = first; begin < loads; begin += kSegmentLoads * step) {
+    const Acc shift = moments.count > 0.0 ? finite_or_zero(static_cast<Acc>(moments.mean))
+                                          : load_mean<Acc>(x[begin]);
+    const int64_t rest = (loads - begin + step - 1) / step;
+    const int64_t end = begin + (rest < kSegmentLoads ? rest : kSegmentLoads) * step;
+    double s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0, count = 0.0;
+    for (int64_t i = begin; i < end; i += step) {
+      const Load<T, Width> v = x[i];
+      Acc a1 = 0, a2 = 0, a3 = 0, a4 = 0;
+#pragma unroll
+      for (int k = 0; k < Width; ++k) {
+        const Acc value = static_cast<Acc>(v.val[k]);
+        const Acc d = value - shift;
+        const Acc d2 = d * d;
+        a1 += d;
+        a2 += d2;
+        if constexpr (Full) {
+          a3 += d2 * d;
+          a4 += d2 * d2;
+          e.min = fmin(e.min, value);  // NaN is ignored here and flagged instead
+          e.max = fmax(e.max, value);
+          e.nan |= value != value;
+          e.near_zero += value <= near_zero;
+          e.nonfinite += !(value - value == Acc(0));
+        }
+        if constexpr (Hist) count_bin(value, table, hist);
+      }
+      s1 += a1;
+      s2 += a2;
+      s3 += a3;
+      s4 += a4;
+      count += Width;
+    }
+    Stats segment;
+    moments_from_shifted_sums<Full>(segment, count, shift, s1, s2, s3, s4);
+    // The rounding error of the float sums grows with (mean - shift)^2 / variance: beyond two
+    // standard deviations it could exceed 1e-7 of m2 (or more of m4).
+    const double d = s1 / count;
+    const bool far = count * d * d > 4.0 * segment.m2 && isfinite(segment.mean);
+    if (far || !isfinite(s1 + s2 + s3 + s4)) {
+      segment = segment_in_double<Acc, Full>(x, begin, end, step);
+    }
+    moments = merge<Full>(moments, segment);
+  }
+}
+
 template <typename T, typename Acc, bool Full, bool Hist>
 __global__ void __launch_bounds__(kThreads)
     accumulate_stats_kernel(const T* __restrict__ x, int64_t n, bool vectorised, Buffers b) {
-  constexpr int Fields = Full ? kPartials : 2;
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   auto* lower = reinterpret_cast<Acc*>(dynamic_shared);
   auto* hist = reinterpret_cast<unsigned int*>(lower + kMaxBins + 1);
@@ -176,53 +283,17 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   }
 
-  // A shift near the data keeps the sums well conditioned when |mean| >> std; every thread reads
-  // the same first element, so all partial sums share it.
-  const Acc first = static_cast<Acc>(x[0]);
-  const Acc shift = first - first == Acc(0) ? first : Acc(0);
   const Acc near_zero = static_cast<Acc>(b.near_zero);
-
-  ThreadState<Acc, Full, Hist> t;
-  auto add = [&](Acc v, Acc& a1, Acc& a2, Acc& a3, Acc& a4) {
-    const Acc d = v - shift;
-    const Acc d2 = d * d;
-    a1 += d;
-    a2 += d2;
-    if constexpr (Full) {
-      a3 += d2 * d;
-      a4 += d2 * d2;
-      t.min = fmin(t.min, v);  // NaN is ignored here and flagged instead
-      t.max = fmax(t.max, v);
-      t.nan |= v != v;
-      t.near_zero += v <= near_zero;
-      t.nonfinite += !(v - v == Acc(0));
-    }
-    if constexpr (Hist) count_bin(v, table, hist);
-  };
-
+  Stats moments;
+  Extremes<Acc> e;
   constexpr int kVec = kVecBytes / sizeof(T);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t n_vec = vectorised ? n / kVec : 0;
-  const Vec<T>* xv = reinterpret_cast<const Vec<T>*>(x);
-  for (int64_t i = tid; i < n_vec; i += stride) {
-    const Vec<T> v = xv[i];
-    Acc a1 = 0, a2 = 0, a3 = 0, a4 = 0;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) add(static_cast<Acc>(v.val[k]), a1, a2, a3, a4);
-    t.s1 += a1;
-    t.s2 += a2;
-    t.s3 += a3;
-    t.s4 += a4;
-  }
-  for (int64_t i = n_vec * kVec + tid; i < n; i += stride) {
-    Acc a1 = 0, a2 = 0, a3 = 0, a4 = 0;
-    add(static_cast<Acc>(x[i]), a1, a2, a3, a4);
-    t.s1 += a1;
-    t.s2 += a2;
-    t.s3 += a3;
-    t.s4 += a4;
-  }
+  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, kVec>*>(x), n_vec, tid, step,
+                               near_zero, table, hist, moments, e);
+  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, 1>*>(x + n_vec * kVec),
+                               n - n_vec * kVec, tid, step, near_zero, table, hist, moments, e);
 
   const int64_t column = *b.cursor;
   CUDA_KERNEL_ASSERT(column >= 0 && column < b.capacity);
@@ -238,54 +309,34 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  Partials<Fields> p;
-  p.v[kS1] = t.s1;
-  p.v[kS2] = t.s2;
   if constexpr (Full) {
-    p.v[kS3] = t.s3;
-    p.v[kS4] = t.s4;
-    p.v[kPMin] = t.nan ? NAN : static_cast<double>(t.min);
-    p.v[kPMax] = t.nan ? NAN : static_cast<double>(t.max);
-    p.v[kPNearZero] = static_cast<double>(t.near_zero);
-    p.v[kPNonFinite] = static_cast<double>(t.nonfinite);
+    moments.min = e.nan ? NAN : static_cast<double>(e.min);
+    moments.max = e.nan ? NAN : static_cast<double>(e.max);
+    moments.near_zero = static_cast<double>(e.near_zero);
+    moments.nonfinite = static_cast<double>(e.nonfinite);
   }
-  block_reduce(p);
+  block_reduce<Full>(moments);
   __shared__ bool last_block;
   if (threadIdx.x == 0) {
-    for (int f = 0; f < Fields; ++f) b.partials[kPartials * blockIdx.x + f] = p.v[f];
+    to_planes(moments, b.partials + kPartials * blockIdx.x);
     __threadfence();  // the partials are visible before the ticket is taken
     last_block = atomicAdd(b.finished, 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (!last_block) return;
 
-  Partials<Fields> total;
-  for (int f = 0; f < Fields; ++f) total.v[f] = 0.0;
-  if constexpr (Full) {
-    total.v[kPMin] = INFINITY;
-    total.v[kPMax] = -INFINITY;
-  }
+  Stats total;
   for (int blk = threadIdx.x; blk < gridDim.x; blk += blockDim.x) {
-    Partials<Fields> q;
-    for (int f = 0; f < Fields; ++f) q.v[f] = __ldcg(b.partials + kPartials * blk + f);
-    combine(total, q);
+    double v[kPartials];
+    for (int f = 0; f < kPartials; ++f) v[f] = __ldcg(b.partials + kPartials * blk + f);
+    total = merge<Full>(total, from_planes(v));
   }
-  block_reduce(total);
+  block_reduce<Full>(total);
   if (threadIdx.x == 0) {
-    Stats batch;
-    moments_from_shifted_sums<Full>(batch, static_cast<double>(n), shift, total.v[kS1],
-                                    total.v[kS2], Full ? total.v[kS3] : 0.0,
-                                    Full ? total.v[kS4] : 0.0);
-    if constexpr (Full) {
-      batch.min = total.v[kPMin];
-      batch.max = total.v[kPMax];
-      batch.near_zero = total.v[kPNearZero];
-      batch.nonfinite = total.v[kPNonFinite];
-    }
     const int64_t plane = b.modules * b.capacity;
     const SlotPointers slot{b.state + cell, plane, b.stats + cell, plane,
                             Full ? b.extra + cell : nullptr};
-    store_slot<Full>(slot, merge<Full>(load_slot<Full>(slot), batch));
+    store_slot<Full>(slot, merge<Full>(load_slot<Full>(slot), total));
     *b.finished = 0;  // ready for the next call: no memset needed
   }
 }
