@@ -10,6 +10,7 @@ histograms exactly, moments within 1e-6. Writes results.md and results.json to -
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from pathlib import Path
@@ -123,12 +124,12 @@ def main() -> None:
                     mode,
                     *(f"{t * 1e3:.2f}" for t in times),
                     *(f"{t / s:.2f}" for t, s in zip(times, sums, strict=True)),
-                    *(f"{times[-1] / t:.2f}x" for t in times[:-1]),
+                    *(f"{slower / t:.2f}x" for t, slower in itertools.pairwise(times)),
                 ]
             )
     header = ["activation", "statistics", *(f"{b} ms" for b in names)]
     header += [f"{b} / torch.sum" for b in names]
-    header += [f"{b} speed-up over {names[-1]}" for b in names[:-1]]
+    header += [f"{b} speed-up over {lesser}" for b, lesser in itertools.pairwise(names)]
     report = (
         f"Machine: {machine_line()}. {args.rounds} interleaved rounds per build, one worker "
         "process each; best of the rounds (on a shared machine, noise only adds time). Every "
