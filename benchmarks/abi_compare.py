@@ -3,8 +3,9 @@
 Two builds cannot register the same operator in one process, so each runs in a worker process
 of its own (`workers.py`), asked for one timing round at a time. Each worker also times an
 operator with the same schema that does nothing, built on its own API (`benchmarks/abi_floor/`):
-the calling convention's share. Both builds compute the statistics of the same seeded tensors,
-which must agree bit for bit. Writes results.md and results.json to --out.
+the calling convention's share. Both builds compute the statistics of the same seeded tensors;
+the report says whether they agree bit for bit (they did at the port; the kernels have changed
+since). Writes results.md and results.json to --out.
     python benchmarks/abi_compare.py --baseline DIR --floor DIR --out results/abi_compare
 where --baseline holds a fasthooks package built with the C++ API and --floor the two no-op
 modules (`make bench-abi` prepares both).

@@ -71,10 +71,11 @@ def test_first_floating_tensor_of_any_container_is_measured(backend, kind, devic
     torch.testing.assert_close(act.stats[:, 0, 0].double(), want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_max_pool_with_indices_records_its_values(backend):
+def test_max_pool_with_indices_records_its_values(backend, device):
     pool = nn.MaxPool2d(2, return_indices=True)
-    x = torch.randn(2, 3, 8, 8)
+    x = torch.randn(2, 3, 8, 8, device=device)
     with ActivationStats(nn.Sequential(pool), modules=[pool], backend=backend) as act:
         values, _ = pool(x)
         act.on_batch_end()
@@ -131,17 +132,18 @@ def test_model_on_the_meta_device_reads_nan(backend):
     assert act.stats.shape == (2, 1, 1) and torch.isnan(act.stats).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_errors_are_one_type_and_name_the_module(backend):
-    model = nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.ReLU(), nn.Linear(6, 2)))
+def test_errors_are_one_type_and_name_the_module(backend, device):
+    model = nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.ReLU(), nn.Linear(6, 2))).to(device)
     act = ActivationStats(model, backend=backend)
     with act:
-        model(torch.randn(3, 6))
+        model(torch.randn(3, 6, device=device))
         act.on_batch_end()
         act._buffers.state = act._buffers.state.to("meta")  # a fault inside the buffers
         act._args = act._buffers.op_args()
         with pytest.raises(StatisticsError, match=r"could not record 0 \(Linear\): "):
-            model(torch.randn(3, 6))
+            model(torch.randn(3, 6, device=device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -198,15 +200,16 @@ def test_a_single_module_and_numpy_integers_are_accepted(backend):
         ActivationStats(lin, do_remove="yes")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_inference_mode_and_no_grad(backend):
-    model = nn.Sequential(nn.Linear(6, 6))
+def test_inference_mode_and_no_grad(backend, device):
+    model = nn.Sequential(nn.Linear(6, 6)).to(device)
     act = ActivationStats(model, backend=backend, expected_batches=1, extra=["max"], hist_bins=3)
     with torch.inference_mode():
         act.on_train_begin()  # buffers made here still take updates outside
     for context in (torch.no_grad, torch.inference_mode, torch.enable_grad):
         with context():
-            model(torch.randn(4, 6))
+            model(torch.randn(4, 6, device=device))
         act.on_batch_end()  # past expected_batches: growth outside inference mode
     act.on_train_end()
     assert act.num_batches == 3 and not torch.isnan(act.stats).any()
@@ -228,16 +231,17 @@ def test_lifecycle_faults(backend):
     assert act.stats.shape == (2, 1, 0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_two_models_in_two_threads(backend):
+def test_two_models_in_two_threads(backend, device):
     results = {}
 
     def train(seed):
         torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 1))
+        model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 1)).to(device)
         with ActivationStats(model, backend=backend) as act:
             for _ in range(20):
-                model(torch.randn(8, 6) * seed)
+                model(torch.randn(8, 6, device=device) * seed)
                 act.on_batch_end()
         results[seed] = act.stats.clone()
 
