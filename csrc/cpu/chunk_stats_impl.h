@@ -184,7 +184,7 @@ using BinsOut = std::conditional_t<coded(Mode), uint8_t, typename VectorBins<Acc
 // One pass over a block, finding histogram bins on the way unless Mode is kNone. Independent
 // vector accumulators keep the FP pipes busy (four for mean and std; two when every statistic is
 // on, which would otherwise run out of registers); GCC's vector extension compiles them to AVX-512
-// or AVX2 in those kernels and to SSE2 pairs in the portable.
+// or AVX2 in those kernels and to the baseline's 16-byte vectors (SSE2, NEON) in the portable.
 template <typename Acc, bool Full, HistMode Mode>
 inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_zero,
                                  const VectorBins<Acc>* finder, BinsOut<Acc, Mode>* out) {

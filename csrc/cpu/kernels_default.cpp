@@ -8,7 +8,9 @@
 namespace fasthooks {
 namespace portable {
 
-constexpr int64_t kVectorBytes = 32;
+// The baseline's own width (SSE2, NEON): wider generic vectors are split, and GCC turns their
+// compares and selects into scalar code.
+constexpr int64_t kVectorBytes = 16;
 
 inline void half_to_float(const torch::headeronly::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
@@ -25,9 +27,12 @@ inline void clamp_lanes(const Vec& v, const Vec& low, const Vec& high, Vec& out)
   out = above < high ? above : high;
 }
 
+// Each lane rounded down to a whole number, as an index: truncated, then one less where that
+// rounded up (a negative fraction). Baseline instructions only.
 template <typename Vec, typename Index>
 inline void floor_to_index(const Vec& v, Index& out) {
-  for (size_t j = 0; j < sizeof(Vec) / sizeof(v[0]); ++j) out[j] = std::floor(v[j]);
+  const Index truncated = __builtin_convertvector(v, Index);
+  out = truncated + (v < __builtin_convertvector(truncated, Vec));  // a true comparison is -1
 }
 
 template <typename Index>
@@ -47,14 +52,15 @@ inline int64_t pack_lanes(const Index& index, const Index& mask, Int* out) {
   return count;
 }
 
-// Two vectors of bin codes (-1 for none) as bytes: -1 becomes 0xff.
+// Two vectors of bin codes (-1 for none) as bytes, in order: -1 becomes 0xff.
 template <typename Index, typename Bytes>
 inline void narrow_codes(const Index& a, const Index& b, Bytes& out) {
   constexpr size_t lanes = sizeof(Index) / sizeof(a[0]);
-  for (size_t j = 0; j < lanes; ++j) {
-    out[j] = static_cast<uint8_t>(a[j]);
-    out[lanes + j] = static_cast<uint8_t>(b[j]);
-  }
+  typedef uint8_t Half __attribute__((vector_size(lanes)));
+  const Half low = __builtin_convertvector(a, Half);
+  const Half high = __builtin_convertvector(b, Half);
+  std::memcpy(&out, &low, lanes);
+  std::memcpy(reinterpret_cast<char*>(&out) + lanes, &high, lanes);
 }
 
 template <typename Bytes>
