@@ -1,30 +1,48 @@
 #!/usr/bin/env bash
 # On a CUDA machine: build the extension with its CUDA kernels, run the CUDA tests, then the CUDA
-# benchmarks; everything lands in the folder given. Uses the python3 on PATH (or $PYTHON), which
-# must have a CUDA build of torch, pytest and tqdm (matplotlib optional for the plots).
+# benchmarks. Each stage has a time limit and a failing stage does not stop the next; at most seven
+# files land in the folder given (status.txt says how each stage ended). Uses the python3 on PATH
+# (or $PYTHON), which must have a CUDA build of torch, pytest and tqdm.
 #   benchmarks/gpu_check.sh OUT_DIR
-set -euo pipefail
+set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 python=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
+scratch=build/gpu_check
+rm -rf "$scratch" && mkdir -p "$scratch"
+export PYTHONUNBUFFERED=1
+
+# stage NAME SECONDS LOG COMMAND...: runs the command under a time limit, its output in LOG.
+stage() {
+  local name=$1 seconds=$2 log=$3
+  shift 3
+  local start=$SECONDS
+  timeout "$seconds" "$@" >>"$log" 2>&1
+  local rc=$?
+  echo "$name: rc $rc in $((SECONDS - start)) s" | tee -a "$out/status.txt"
+  tail -n 25 "$log"
+}
+
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
   "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-} 2>&1 | tee "$out/machine.txt"
+} >"$out/setup.log" 2>&1
+cat "$out/setup.log"
 
-FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
-  "$python" setup.py -q build_ext --inplace 2>&1 | tail -n 20 | tee "$out/build.log"
+stage build 300 "$out/setup.log" env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
+  "$python" setup.py -q build_ext --inplace
 
-FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_CUDA_KERNEL=1 "$python" -m pytest -q -p no:cacheprovider \
-  tests/test_cuda.py tests/test_operator.py tests/test_extras.py tests/test_activation_stats.py \
-  tests/test_robustness.py tests/test_extension.py \
-  2>&1 | tail -n 40 | tee "$out/tests.log"
+stage tests 300 "$out/tests.log" env FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_CUDA_KERNEL=1 \
+  "$python" -m pytest -q -p no:cacheprovider -m cuda -rfE tests
 
 for dtype in float32 bfloat16; do
-  "$python" benchmarks/op_throughput.py --device cuda --dtype "$dtype" \
-    --sizes-mb 1 4 16 64 256 1024 --out "$out/op_throughput_$dtype" 2>&1 | tail -n 30
-done | tee "$out/op_throughput.log"
+  stage "op_throughput $dtype" 150 "$out/bench.log" "$python" benchmarks/op_throughput.py \
+    --device cuda --dtype "$dtype" --sizes-mb 1 4 16 64 256 1024 --out "$scratch/op_$dtype"
+  cp "$scratch/op_$dtype/results.md" "$out/op_throughput_$dtype.md" 2>/dev/null
+done
 
-"$python" benchmarks/gpu_training_step.py --out "$out/training_step" 2>&1 | tail -n 20 \
-  | tee "$out/training_step.log"
+stage training_step 150 "$out/bench.log" "$python" benchmarks/gpu_training_step.py \
+  --out "$scratch/training_step"
+cp "$scratch/training_step/results.md" "$out/training_step.md" 2>/dev/null
+exit 0
