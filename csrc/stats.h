@@ -96,40 +96,54 @@ struct SlotPointers {
   float* extra;  // null without extras
 };
 
+// The state planes of a set of values, `plane` elements apart (only the first three without
+// extras): the slot's merge state, or any array of them.
 template <bool Full>
-C10_HOST_DEVICE inline Stats load_slot(const SlotPointers& p) {
+C10_HOST_DEVICE inline Stats load_state(const double* state, int64_t plane) {
   Stats s;
-  s.count = p.state[kCount * p.state_plane];
-  s.mean = p.state[kMean * p.state_plane];
-  s.m2 = p.state[kM2 * p.state_plane];
+  s.count = state[kCount * plane];
+  s.mean = state[kMean * plane];
+  s.m2 = state[kM2 * plane];
   if (Full) {
-    s.m3 = p.state[kM3 * p.state_plane];
-    s.m4 = p.state[kM4 * p.state_plane];
-    s.min = p.state[kMin * p.state_plane];
-    s.max = p.state[kMax * p.state_plane];
-    s.near_zero = p.state[kNearZero * p.state_plane];
-    s.nonfinite = p.state[kNonFinite * p.state_plane];
+    s.m3 = state[kM3 * plane];
+    s.m4 = state[kM4 * plane];
+    s.min = state[kMin * plane];
+    s.max = state[kMax * plane];
+    s.near_zero = state[kNearZero * plane];
+    s.nonfinite = state[kNonFinite * plane];
   }
   return s;
+}
+
+template <bool Full>
+C10_HOST_DEVICE inline void store_state(double* state, int64_t plane, const Stats& s) {
+  state[kCount * plane] = s.count;
+  state[kMean * plane] = s.mean;
+  state[kM2 * plane] = s.m2;
+  if (Full) {
+    state[kM3 * plane] = s.m3;
+    state[kM4 * plane] = s.m4;
+    state[kMin * plane] = s.min;
+    state[kMax * plane] = s.max;
+    state[kNearZero * plane] = s.near_zero;
+    state[kNonFinite * plane] = s.nonfinite;
+  }
+}
+
+template <bool Full>
+C10_HOST_DEVICE inline Stats load_slot(const SlotPointers& p) {
+  return load_state<Full>(p.state, p.state_plane);
 }
 
 // Stores the merge state and writes every finalised statistic of the slot.
 template <bool Full>
 C10_HOST_DEVICE inline void store_slot(const SlotPointers& p, const Stats& s) {
-  p.state[kCount * p.state_plane] = s.count;
-  p.state[kMean * p.state_plane] = s.mean;
-  p.state[kM2 * p.state_plane] = s.m2;
+  store_state<Full>(p.state, p.state_plane, s);
   const bool any = s.count > 0.0;
   const bool several = s.count > 1.0;
   p.stats[0] = any ? static_cast<float>(s.mean) : NAN;
   p.stats[p.stats_plane] = several ? static_cast<float>(sqrt(s.m2 / (s.count - 1.0))) : NAN;
   if (Full) {
-    p.state[kM3 * p.state_plane] = s.m3;
-    p.state[kM4 * p.state_plane] = s.m4;
-    p.state[kMin * p.state_plane] = s.min;
-    p.state[kMax * p.state_plane] = s.max;
-    p.state[kNearZero * p.state_plane] = s.near_zero;
-    p.state[kNonFinite * p.state_plane] = s.nonfinite;
     const int64_t plane = p.stats_plane;
     p.extra[kExtraMin * plane] = any ? static_cast<float>(s.min) : NAN;
     p.extra[kExtraMax * plane] = any ? static_cast<float>(s.max) : NAN;

@@ -8,58 +8,67 @@
 namespace fasthooks {
 namespace {
 
-// From the least capable to the most; each runs where the CPU has its instructions.
-constexpr const char* kCapabilities[] = {"default", "avx2", "avx512"};
+struct Capability {
+  const char* name;
+  bool (*supported)();
+  const ChunkKernels* kernels;
+};
 
-bool cpu_supports(const char* capability) {
+bool anywhere() { return true; }
+
 #if defined(__x86_64__) || defined(__i386__)
+bool cpu_has_avx2() {
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  if (std::strcmp(capability, "avx2") == 0) return avx2;
-  if (std::strcmp(capability, "avx512") == 0) {
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  }
-#endif
-  return std::strcmp(capability, "default") == 0;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
 }
 
+bool cpu_has_avx512() {
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vl");
+}
+
+// From the least capable to the most; each runs where the CPU has its instructions.
+const Capability kCapabilities[] = {{"default", &anywhere, &default_kernels},
+                                    {"avx2", &cpu_has_avx2, &avx2_kernels},
+                                    {"avx512", &cpu_has_avx512, &avx512_kernels}};
+#else
+bool nowhere() { return false; }
+
+// The x86 names stay valid ceilings; nothing here runs above the portable kernels.
+const Capability kCapabilities[] = {{"default", &anywhere, &default_kernels},
+                                    {"avx2", &nowhere, nullptr},
+                                    {"avx512", &nowhere, nullptr}};
+#endif
+
 // The most capable set the CPU supports, up to FASTHOOKS_CPU_CAPABILITY where it is set.
-const char* choose_capability() {
+const Capability& choose_capability() {
   const char* ceiling = std::getenv("FASTHOOKS_CPU_CAPABILITY");
   const bool capped = ceiling != nullptr && *ceiling != '\0';
   if (capped) {
     bool known = false;
-    for (const char* name : kCapabilities) known |= std::strcmp(ceiling, name) == 0;
+    for (const Capability& c : kCapabilities) known |= std::strcmp(ceiling, c.name) == 0;
     FASTHOOKS_CHECK(known, "FASTHOOKS_CPU_CAPABILITY must be 'default', 'avx2' or 'avx512', got '",
                     ceiling, "'");
   }
-  const char* chosen = kCapabilities[0];
-  for (const char* name : kCapabilities) {
-    if (cpu_supports(name)) chosen = name;
-    if (capped && std::strcmp(name, ceiling) == 0) break;
+  const Capability* chosen = &kCapabilities[0];
+  for (const Capability& c : kCapabilities) {
+    if (c.supported()) chosen = &c;
+    if (capped && std::strcmp(c.name, ceiling) == 0) break;
   }
+  return *chosen;
+}
+
+const Capability& capability() {
+  static const Capability& chosen = choose_capability();
   return chosen;
 }
 
 }  // namespace
 
-const char* cpu_capability_name() {
-  static const char* name = choose_capability();
-  return name;
-}
+const char* cpu_capability_name() { return capability().name; }
 
-const ChunkKernels& cpu_kernels() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const ChunkKernels& kernels =
-      std::strcmp(cpu_capability_name(), "avx512") == 0 ? avx512_kernels
-      : std::strcmp(cpu_capability_name(), "avx2") == 0 ? avx2_kernels
-                                                        : default_kernels;
-  return kernels;
-#else
-  return default_kernels;
-#endif
-}
+const ChunkKernels& cpu_kernels() { return *capability().kernels; }
 
 }  // namespace fasthooks

@@ -95,39 +95,13 @@ struct Buffers {
   double hist_max;
 };
 
-// Stats as the state planes (kCount..kNonFinite), so that they can be shuffled and stored.
-__device__ void to_planes(const Stats& s, double* v) {
-  v[kCount] = s.count;
-  v[kMean] = s.mean;
-  v[kM2] = s.m2;
-  v[kM3] = s.m3;
-  v[kM4] = s.m4;
-  v[kMin] = s.min;
-  v[kMax] = s.max;
-  v[kNearZero] = s.near_zero;
-  v[kNonFinite] = s.nonfinite;
-}
-__device__ Stats from_planes(const double* v) {
-  Stats s;
-  s.count = v[kCount];
-  s.mean = v[kMean];
-  s.m2 = v[kM2];
-  s.m3 = v[kM3];
-  s.m4 = v[kM4];
-  s.min = v[kMin];
-  s.max = v[kMax];
-  s.near_zero = v[kNearZero];
-  s.nonfinite = v[kNonFinite];
-  return s;
-}
-
 template <bool Full>
 __device__ Stats shuffle_down(const Stats& s, int offset) {
   constexpr int fields = Full ? kFullPlanes : kBasicPlanes;
   double v[kFullPlanes];
-  to_planes(s, v);
+  store_state<Full>(v, 1, s);
   for (int f = 0; f < fields; ++f) v[f] = __shfl_down_sync(0xffffffffu, v[f], offset);
-  return from_planes(v);
+  return load_state<Full>(v, 1);
 }
 
 // Merges s over the block in a fixed order; the result is valid in thread 0.
@@ -141,10 +115,10 @@ __device__ void block_reduce(Stats& s) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   __syncthreads();  // the shared array may still be read by an earlier call
-  if (lane == 0) to_planes(s, shared[warp]);
+  if (lane == 0) store_state<Full>(shared[warp], 1, s);
   __syncthreads();
   if (warp == 0) {
-    s = lane < kWarps ? from_planes(shared[lane]) : Stats{};
+    s = lane < kWarps ? load_state<Full>(shared[lane], 1) : Stats{};
     for (int offset = kWarps / 2; offset > 0; offset /= 2) {
       const Stats other = shuffle_down<Full>(s, offset);
       if (lane + offset < kWarps) s = merge<Full>(s, other);
@@ -318,7 +292,7 @@ __global__ void __launch_bounds__(kThreads)
   block_reduce<Full>(moments);
   __shared__ bool last_block;
   if (threadIdx.x == 0) {
-    to_planes(moments, b.partials + kPartials * blockIdx.x);
+    store_state<Full>(b.partials + kPartials * blockIdx.x, 1, moments);
     __threadfence();  // the partials are visible before the ticket is taken
     last_block = atomicAdd(b.finished, 1u) == gridDim.x - 1;
   }
@@ -328,8 +302,10 @@ __global__ void __launch_bounds__(kThreads)
   Stats total;
   for (int blk = threadIdx.x; blk < gridDim.x; blk += blockDim.x) {
     double v[kPartials];
-    for (int f = 0; f < kPartials; ++f) v[f] = __ldcg(b.partials + kPartials * blk + f);
-    total = merge<Full>(total, from_planes(v));
+    for (int f = 0; f < (Full ? kFullPlanes : kBasicPlanes); ++f) {
+      v[f] = __ldcg(b.partials + kPartials * blk + f);
+    }
+    total = merge<Full>(total, load_state<Full>(v, 1));
   }
   block_reduce<Full>(total);
   if (threadIdx.x == 0) {
