@@ -84,6 +84,7 @@ def test_kurtosis_against_float64(accumulate, case, device):
         (16, 2.0, 6.0),
         (16, -2.0, 2.0),
         (8, 0.0, 1024.0),
+        (24, -48.0, 48.0),
     ],
 )
 def test_extremes_counts_and_histograms_are_exact(accumulate, dtype, bins, lo, hi, device):
@@ -93,6 +94,9 @@ def test_extremes_counts_and_histograms_are_exact(accumulate, dtype, bins, lo, h
     x[:3000] = edges[torch.randint(0, bins + 1, (3000,), generator=g)]  # values on the edges
     x[3000:3005] = math.inf
     x[3005:3007] = -math.inf
+    # Just above the top edge (in no bin, but in the bin after the last one as the kernels first
+    # count it), and subnormal values either side of zero (a product that rounds to zero).
+    x[3007:3015] = torch.tensor([hi + (hi - lo) / bins / 2, hi * (1 + 2**-20), 1e-45, -1e-45] * 2)
     x[200_000:200_003] = 0.05
     x = x.to(dtype)
     b = StatBuffers(1, 1, device, full=True, hist_bins=bins)

@@ -82,7 +82,8 @@ Acc guess_margin(const BinTable<Acc>& table, double lo) {
   return static_cast<Acc>(margin < 0.5 ? margin : 0.5);
 }
 
-// c when the scale is a power of two, so that v * scale is exact, and edge k is exactly
+// c when the scale is a power of two of at least 1, so that v * scale is exact (a smaller one
+// would round subnormal values), and edge k is exactly
 // (c + k) / scale with c an integer: then bin k is [c + k, c + k + 1) in units of v * scale, and
 // its floor is the bin with no check against the edges (fastai's default, 40 bins over (0, 10),
 // is one such case). kNoExactOrigin otherwise.
@@ -90,7 +91,9 @@ template <typename Acc>
 int64_t exact_origin(const BinTable<Acc>& table, double lo, double hi) {
   const double scale = static_cast<double>(table.scale);
   int exponent;
-  if (scale != table.bins / (hi - lo) || std::frexp(scale, &exponent) != 0.5) return kNoExactOrigin;
+  if (scale != table.bins / (hi - lo) || std::frexp(scale, &exponent) != 0.5 || scale < 1) {
+    return kNoExactOrigin;
+  }
   const double origin = lo * scale;
   // Below this, every half-integer between origin and origin + bins is exact in Acc.
   const double limit = std::ldexp(1.0, std::numeric_limits<Acc>::digits - 2);

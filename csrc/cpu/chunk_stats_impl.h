@@ -20,9 +20,9 @@ constexpr int64_t kBlock = 2048;
 constexpr int64_t kPrefetchBytes = 16384;
 
 // How a block's histogram is counted: with few bins, each value's bin goes into a byte code
-// (255: in no bin) and the codes are counted by comparing a vector of them at a time with each bin
-// that occurs; with many, the bins of the values in range are packed and counted one by one.
-// kExactCoded is kCoded where the first guess of a bin is provably exact
+// (above `bins`, 255 among them: in no bin) and the codes are counted by comparing a vector of them
+// at a time with each bin that occurs; with many, the bins of the values in range are packed and
+// counted one by one. kExactCoded is kCoded where the first guess of a bin is provably exact
 // (ChunkParams::exact_origin).
 enum class HistMode { kNone, kCoded, kExactCoded, kPacked };
 constexpr bool coded(HistMode mode) {
@@ -58,13 +58,7 @@ struct VectorBins {
         top(Vec{} + t.top),
         near_low(Vec{} + margin),
         near_high(Vec{} + (Acc(1) - margin)),
-        origin(Index{} + static_cast<Int>(usable(exact_origin))),
-        exact_low(Vec{} + (static_cast<Acc>(usable(exact_origin)) + Acc(0.5))),
-        exact_high(Vec{} + (static_cast<Acc>(usable(exact_origin) + t.bins) - Acc(0.5))) {}
-
-  // The exact-guess members are unused without an exact origin; they just need a valid value.
-  static int64_t usable(int64_t exact_origin) {
-    return exact_origin == kNoExactOrigin ? 0 : exact_origin;
+        origin(Vec{} + (exact_origin == kNoExactOrigin ? Acc(0) : static_cast<Acc>(exact_origin))) {
   }
 
   // A first guess of each lane's bin, as if every value were inside the range, and the lanes
@@ -87,15 +81,6 @@ struct VectorBins {
     pos -= v >= edge;
   }
 
-  // Where the bins are exact in units of v * scale (ChunkParams::exact_origin), the first guess is
-  // the bin: v * scale is exact, and bin k is [origin + k, origin + k + 1) in those units.
-  void exact_position(const Vec& v, Index& pos) const {
-    Vec g;
-    clamp_lanes(v * scale, exact_low, exact_high, g);  // NaN becomes exact_low
-    floor_to_index(g, pos);
-    pos -= origin;
-  }
-
   // Lanes whose value is in no bin: outside the range, or NaN.
   void outside(const Vec& v, Index& out) const { out = (v < first) | ~(v <= top); }
 
@@ -108,21 +93,24 @@ struct VectorBins {
     return pack_lanes(pos, ~none, out);
   }
 
-  // Each lane's bin, or all ones (kNoBinCode once narrowed to a byte) for a value in no bin, for
-  // two vectors at once: one test of whether any guess needs settling.
+  // Each lane's bin, or a code outside [0, bins] for a value in no bin, for two vectors at once:
+  // one test of whether any guess needs settling. Where the bins are exact in units of v * scale
+  // (ChunkParams::exact_origin), the floor of v * scale - origin is the code and needs no check,
+  // except code `bins`: values in [top, top + bin width), of which only top is in the last bin
+  // (count_block_bins looks for it).
   template <bool Exact>
   void code(const Vec& a, const Vec& b, Index& code_a, Index& code_b) const {
     if constexpr (Exact) {
-      exact_position(a, code_a);
-      exact_position(b, code_b);
-    } else {
-      Index unsure_a, unsure_b;
-      guess(a, code_a, unsure_a);
-      guess(b, code_b, unsure_b);
-      if (any_lane(unsure_a | unsure_b)) {
-        settle(a, code_a);
-        settle(b, code_b);
-      }
+      shifted_floor(a, scale, origin, code_a);
+      shifted_floor(b, scale, origin, code_b);
+      return;
+    }
+    Index unsure_a, unsure_b;
+    guess(a, code_a, unsure_a);
+    guess(b, code_b, unsure_b);
+    if (any_lane(unsure_a | unsure_b)) {
+      settle(a, code_a);
+      settle(b, code_b);
     }
     Index none;
     outside(a, none);
@@ -133,8 +121,7 @@ struct VectorBins {
 
   const BinTable<Acc>& table;
   const Vec scale, offset, low, high, first, top, near_low, near_high;
-  const Index origin;
-  const Vec exact_low, exact_high;
+  const Vec origin;  // the exact origin, or 0 without one
 };
 
 // Bins found for one block, counted in one of kHistLanes lane-private rows so that consecutive
@@ -152,19 +139,52 @@ inline void count_bins(const Int* bins, int64_t packed, const BinTable<Acc>& t, 
 // Counts the byte codes of a block (a whole number of vectors, padded with kNoBinCode) for each
 // bin from first to last, four bins per read of the codes.
 inline void count_codes(const uint8_t* codes, int64_t vectors, int64_t first, int64_t last,
-                        uint32_t* row) {
+                        uint32_t* row, const char* ahead) {
   typedef uint8_t Bytes __attribute__((vector_size(kCodeVector)));
   constexpr int64_t kKeys = 4;
   for (int64_t k = first; k <= last; k += kKeys) {
     Bytes key[kKeys], hits[kKeys] = {};
     for (int64_t q = 0; q < kKeys; ++q) key[q] = Bytes{} + static_cast<uint8_t>(k + q);
     for (int64_t j = 0; j < vectors; ++j) {
+      if (k == first) __builtin_prefetch(ahead + j * 64);
       Bytes v;
       std::memcpy(&v, codes + j * kCodeVector, sizeof(v));
       for (int64_t q = 0; q < kKeys; ++q) count_equal(v, key[q], hits[q]);
     }
     for (int64_t q = 0; q < kKeys && k + q <= last; ++q) row[k + q] += sum_bytes(hits[q]);
   }
+}
+
+// A vector's lanes combined by op as a tree of halves: a few instructions where a loop over the
+// lanes takes a few per lane.
+template <typename V, typename Op, size_t... Low>
+inline auto fold_halves(const V& v, Op op, std::index_sequence<Low...>) {
+  return op(__builtin_shufflevector(v, v, Low...),
+            __builtin_shufflevector(v, v, (Low + sizeof...(Low))...));
+}
+template <typename V, typename Op>
+inline auto reduce_lanes(const V& v, Op op) {
+  constexpr size_t lanes = sizeof(V) / sizeof(v[0]);
+  if constexpr (lanes == 2) {
+    return op(v[0], v[1]);
+  } else {
+    return reduce_lanes(fold_halves(v, op, std::make_index_sequence<lanes / 2>{}), op);
+  }
+}
+constexpr auto plus = [](const auto& a, const auto& b) { return a + b; };
+constexpr auto smaller = [](const auto& a, const auto& b) { return a < b ? a : b; };
+constexpr auto larger = [](const auto& a, const auto& b) { return a > b ? a : b; };
+
+// A vector of doubles as long as Vec (a typedef inside a template would not depend on Vec).
+template <typename Vec>
+struct DoublesLike {
+  typedef double type __attribute__((vector_size(sizeof(Vec) / sizeof(Vec{}[0]) * sizeof(double))));
+};
+
+// The sum of a vector's lanes, each converted to double first.
+template <typename Vec>
+inline double sum_in_double(const Vec& v) {
+  return reduce_lanes(__builtin_convertvector(v, typename DoublesLike<Vec>::type), plus);
 }
 
 template <typename Acc>
@@ -199,7 +219,8 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
   Vec lo = Vec{} + static_cast<Acc>(INFINITY);
   Vec hi = Vec{} - static_cast<Acc>(INFINITY);
   Mask small = {};
-  // Codes seen, as unsigned bytes (lowest: kNoBinCode never wins) and signed (highest: it is -1).
+  // Codes seen, as unsigned bytes (lowest: kNoBinCode never wins) and signed (highest: codes of
+  // 128 and above, kNoBinCode among them, are negative).
   typename Bins::CodeBytes lowest = {};
   lowest = ~lowest;
   typename Bins::SignedCodeBytes highest = {};
@@ -245,10 +266,8 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
   s.packed = packed;
   s.binned = i;
   if constexpr (coded(Mode)) {
-    for (int64_t j = 0; j < 2 * lanes; ++j) {
-      s.first_bin = lowest[j] < s.first_bin ? lowest[j] : s.first_bin;
-      s.last_bin = highest[j] > s.last_bin ? highest[j] : s.last_bin;
-    }
+    s.first_bin = reduce_lanes(lowest, smaller);
+    s.last_bin = reduce_lanes(highest, larger);
   }
   Vec t1 = a1[0], t2 = a2[0], t3 = a3[0], t4 = a4[0];
   for (int k = 1; k < kAcc; ++k) {
@@ -257,16 +276,14 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
     t3 += a3[k];
     t4 += a4[k];
   }
-  s.min = lo[0];
-  s.max = hi[0];
-  for (int64_t j = 0; j < lanes; ++j) {
-    s.s1 += t1[j];
-    s.s2 += t2[j];
-    s.s3 += t3[j];
-    s.s4 += t4[j];
-    s.min = lo[j] < s.min ? lo[j] : s.min;
-    s.max = hi[j] > s.max ? hi[j] : s.max;
-    s.near_zero += small[j];
+  s.s1 = sum_in_double(t1);
+  s.s2 = sum_in_double(t2);
+  if constexpr (Full) {
+    s.s3 = sum_in_double(t3);
+    s.s4 = sum_in_double(t4);
+    s.min = reduce_lanes(lo, smaller);
+    s.max = reduce_lanes(hi, larger);
+    s.near_zero = reduce_lanes(small, plus);
   }
   for (; i < n; ++i) {
     const Acc v = p[i];
@@ -284,6 +301,15 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
   return s;
 }
 
+// How many of n values equal the top edge (in the last bin, where the values just above it are in
+// none).
+template <typename Acc>
+inline uint32_t count_top_edge(const Acc* p, int64_t n, Acc top) {
+  uint32_t count = 0;
+  for (int64_t i = 0; i < n; ++i) count += p[i] == top;
+  return count;
+}
+
 // Counts what the vector loop found of a block's bins, then the values it left, one by one.
 template <typename Acc, HistMode Mode>
 inline void count_block_bins(const BlockSums<Acc>& s, BinsOut<Acc, Mode>* found, const Acc* p,
@@ -291,7 +317,13 @@ inline void count_block_bins(const BlockSums<Acc>& s, BinsOut<Acc, Mode>* found,
   if constexpr (coded(Mode)) {
     const int64_t vectors = (s.binned + kCodeVector - 1) / kCodeVector;
     std::memset(found + s.binned, kNoBinCode, vectors * kCodeVector - s.binned);
-    count_codes(found, vectors, s.first_bin, s.last_bin, rows);
+    const int64_t last = s.last_bin < t.bins ? s.last_bin : t.bins;
+    const uint32_t beyond = rows[t.bins];
+    count_codes(found, vectors, s.first_bin, last, rows,
+                reinterpret_cast<const char*>(p + n) + kPrefetchBytes);
+    if (Mode == HistMode::kExactCoded && rows[t.bins] != beyond) {
+      rows[t.bins - 1] += count_top_edge(p, s.binned, t.top);
+    }
   } else {
     count_bins(found, s.packed, t, rows);
   }

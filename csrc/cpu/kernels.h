@@ -5,6 +5,7 @@
 #include <torch/headeronly/util/Half.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "../histogram.h"
 #include "../stats.h"

@@ -58,6 +58,22 @@ inline void floor_to_index(const Double4& v, Long4& out) {
       reinterpret_cast<Double4>(_mm256_floor_pd(reinterpret_cast<__m256d>(v))), Long4);
 }
 
+// floor(v * scale - origin) as an index, for v * scale exact (NaN, or beyond the index range:
+// outside [0, 256)). The product's floor, converted, then the whole origin subtracted.
+inline void shifted_floor(const Float8& v, const Float8& scale, const Float8& origin, Int8& out) {
+  const __m256 floor = _mm256_floor_ps(reinterpret_cast<__m256>(v * scale));
+  out = reinterpret_cast<Int8>(_mm256_cvtps_epi32(floor)) - __builtin_convertvector(origin, Int8);
+}
+inline void shifted_floor(const Double4& v, const Double4& scale, const Double4& origin,
+                          Long4& out) {
+  const Double4 lowest = origin - 1.0, highest = origin + 256.0;
+  const __m256d bounded = _mm256_min_pd(
+      _mm256_max_pd(reinterpret_cast<__m256d>(v * scale), reinterpret_cast<__m256d>(lowest)),
+      reinterpret_cast<__m256d>(highest));  // NaN becomes lowest
+  floor_to_index(reinterpret_cast<Double4>(bounded), out);
+  out -= __builtin_convertvector(origin, Long4);
+}
+
 inline bool any_lane(const Int8& mask) {
   return _mm256_movemask_ps(reinterpret_cast<__m256>(mask)) != 0;
 }
@@ -99,21 +115,23 @@ inline int64_t pack_lanes(const Long4& index, const Long4& mask, int64_t* out) {
   return count;
 }
 
-// Two vectors of bin codes (-1 for none) as bytes, in order: saturating packs keep -1 as 0xff.
+// Two vectors of bin codes as bytes, in order; every code outside [0, 255] (-1 for none among
+// them) becomes 0xff: an unsigned minimum, then saturating packs that keep 0 to 255.
 template <typename Bytes>
 inline void narrow_codes(const Int8& a, const Int8& b, Bytes& out) {
   static_assert(sizeof(Bytes) == 16);
-  const __m256i words =
-      _mm256_packs_epi32(reinterpret_cast<__m256i>(a), reinterpret_cast<__m256i>(b));
-  const __m256i bytes = _mm256_packs_epi16(words, words);
+  const __m256i none = _mm256_set1_epi32(255);
+  const __m256i words = _mm256_packs_epi32(_mm256_min_epu32(reinterpret_cast<__m256i>(a), none),
+                                           _mm256_min_epu32(reinterpret_cast<__m256i>(b), none));
+  const __m256i bytes = _mm256_packus_epi16(words, words);
   // Packs work within 128-bit halves: each half's low 8 bytes hold 4 codes of a and 4 of b.
   out = reinterpret_cast<Bytes>(_mm256_castsi256_si128(_mm256_permute4x64_epi64(bytes, 0b1000)));
 }
 template <typename Bytes>
 inline void narrow_codes(const Long4& a, const Long4& b, Bytes& out) {
   for (int j = 0; j < 4; ++j) {
-    out[j] = static_cast<uint8_t>(a[j]);
-    out[4 + j] = static_cast<uint8_t>(b[j]);
+    out[j] = static_cast<uint64_t>(a[j]) < 255 ? a[j] : 255;
+    out[4 + j] = static_cast<uint64_t>(b[j]) < 255 ? b[j] : 255;
   }
 }
 

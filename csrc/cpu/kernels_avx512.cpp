@@ -59,6 +59,23 @@ inline void floor_to_index(const Double8& v, Long8& out) {
       _mm512_maskz_cvt_roundpd_epi64(0xff, reinterpret_cast<__m512d>(v), kFloor));
 }
 
+// floor(v * scale - origin) as an index (NaN, or beyond the index range: outside [0, 256)). The
+// fused multiply-subtract rounds down, which keeps the floor of the exact result.
+inline void shifted_floor(const Float16& v, const Float16& scale, const Float16& origin,
+                          Int16& out) {
+  const __m512 shifted =
+      _mm512_fmsub_round_ps(reinterpret_cast<__m512>(v), reinterpret_cast<__m512>(scale),
+                            reinterpret_cast<__m512>(origin), kFloor);
+  out = reinterpret_cast<Int16>(_mm512_maskz_cvt_roundps_epi32(0xffff, shifted, kFloor));
+}
+inline void shifted_floor(const Double8& v, const Double8& scale, const Double8& origin,
+                          Long8& out) {
+  const __m512d shifted =
+      _mm512_fmsub_round_pd(reinterpret_cast<__m512d>(v), reinterpret_cast<__m512d>(scale),
+                            reinterpret_cast<__m512d>(origin), kFloor);
+  out = reinterpret_cast<Long8>(_mm512_maskz_cvt_roundpd_epi64(0xff, shifted, kFloor));
+}
+
 inline bool any_lane(const Int16& mask) {
   const __m512i m = reinterpret_cast<__m512i>(mask);
   return _mm512_test_epi32_mask(m, m) != 0;
@@ -83,19 +100,20 @@ inline int64_t pack_lanes(const Long8& index, const Long8& mask, int64_t* out) {
   return __builtin_popcount(keep);
 }
 
-// Two vectors of bin codes (-1 for none) as bytes, in order: signed saturation keeps -1 as 0xff.
+// Two vectors of bin codes as bytes, in order: unsigned saturation makes every code outside
+// [0, 255] (-1 for none among them) 0xff.
 template <typename Bytes>
 inline void narrow_codes(const Int16& a, const Int16& b, Bytes& out) {
   static_assert(sizeof(Bytes) == 32);
-  const __m128i low = _mm512_maskz_cvtsepi32_epi8(0xffff, reinterpret_cast<__m512i>(a));
-  const __m128i high = _mm512_maskz_cvtsepi32_epi8(0xffff, reinterpret_cast<__m512i>(b));
+  const __m128i low = _mm512_maskz_cvtusepi32_epi8(0xffff, reinterpret_cast<__m512i>(a));
+  const __m128i high = _mm512_maskz_cvtusepi32_epi8(0xffff, reinterpret_cast<__m512i>(b));
   out = reinterpret_cast<Bytes>(_mm256_set_m128i(high, low));
 }
 template <typename Bytes>
 inline void narrow_codes(const Long8& a, const Long8& b, Bytes& out) {
   static_assert(sizeof(Bytes) == 16);
-  const __m128i low = _mm512_maskz_cvtsepi64_epi8(0xff, reinterpret_cast<__m512i>(a));
-  const __m128i high = _mm512_maskz_cvtsepi64_epi8(0xff, reinterpret_cast<__m512i>(b));
+  const __m128i low = _mm512_maskz_cvtusepi64_epi8(0xff, reinterpret_cast<__m512i>(a));
+  const __m128i high = _mm512_maskz_cvtusepi64_epi8(0xff, reinterpret_cast<__m512i>(b));
   out = reinterpret_cast<Bytes>(_mm_unpacklo_epi64(low, high));
 }
 

@@ -35,6 +35,16 @@ inline void floor_to_index(const Vec& v, Index& out) {
   out = truncated + (v < __builtin_convertvector(truncated, Vec));  // a true comparison is -1
 }
 
+// floor(v * scale - origin) as an index, for v * scale exact (NaN: outside [0, 256)). The product
+// is bounded first, so that every conversion is defined.
+template <typename Vec, typename Index>
+inline void shifted_floor(const Vec& v, const Vec& scale, const Vec& origin, Index& out) {
+  Vec bounded;
+  clamp_lanes(v * scale, origin - 1, origin + 256, bounded);  // NaN becomes origin - 1
+  floor_to_index(bounded, out);
+  out -= __builtin_convertvector(origin, Index);
+}
+
 template <typename Index>
 inline bool any_lane(const Index& mask) {
   bool any = false;
@@ -52,13 +62,22 @@ inline int64_t pack_lanes(const Index& index, const Index& mask, Int* out) {
   return count;
 }
 
-// Two vectors of bin codes (-1 for none) as bytes, in order: -1 becomes 0xff.
+template <typename Index>
+inline Index unsigned_min(const Index& a, const Index& b) {
+  typedef std::make_unsigned_t<std::remove_reference_t<decltype(a[0])>> Unsigned;
+  typedef Unsigned UIndex __attribute__((vector_size(sizeof(Index))));
+  return (UIndex)a < (UIndex)b ? a : b;
+}
+
+// Two vectors of bin codes as bytes, in order; every code outside [0, 255] (-1 for none among
+// them) becomes 0xff.
 template <typename Index, typename Bytes>
 inline void narrow_codes(const Index& a, const Index& b, Bytes& out) {
   constexpr size_t lanes = sizeof(Index) / sizeof(a[0]);
   typedef uint8_t Half __attribute__((vector_size(lanes)));
-  const Half low = __builtin_convertvector(a, Half);
-  const Half high = __builtin_convertvector(b, Half);
+  const Index none = Index{} + 255;
+  const Half low = __builtin_convertvector(unsigned_min(a, none), Half);
+  const Half high = __builtin_convertvector(unsigned_min(b, none), Half);
   std::memcpy(&out, &low, lanes);
   std::memcpy(reinterpret_cast<char*>(&out) + lanes, &high, lanes);
 }
