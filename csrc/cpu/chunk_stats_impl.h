@@ -20,7 +20,7 @@ constexpr int64_t kBlock = 2048;
 constexpr int64_t kPrefetchBytes = 16384;
 
 // How a block's histogram is counted: with few bins, each value's bin goes into a byte code
-// (above `bins`, 255 among them: in no bin) and the codes are counted by comparing a vector of them
+// (outside [0, bins]: in no bin) and the codes are counted by comparing a vector of them
 // at a time with each bin that occurs; with many, the bins of the values in range are packed and
 // counted one by one. kExactCoded is kCoded where the first guess of a bin is provably exact
 // (ChunkParams::exact_origin).
@@ -44,9 +44,10 @@ struct VectorBins {
   using Index = decltype(Vec{} < Vec{});
   using Int = std::conditional_t<sizeof(Acc) == 4, int32_t, int64_t>;
   static constexpr int64_t lanes = kVectorBytes / sizeof(Acc);
-  // The codes of two vectors, as bytes: unsigned (kNoBinCode is the largest) and signed (it is -1).
-  typedef uint8_t CodeBytes __attribute__((vector_size(2 * lanes)));
-  typedef int8_t SignedCodeBytes __attribute__((vector_size(2 * lanes)));
+  // The codes of four vectors, as bytes: unsigned (kNoBinCode is the largest) and signed (it is
+  // -1).
+  typedef uint8_t CodeBytes __attribute__((vector_size(4 * lanes)));
+  typedef int8_t SignedCodeBytes __attribute__((vector_size(4 * lanes)));
 
   VectorBins(const BinTable<Acc>& t, Acc margin, int64_t exact_origin)
       : table(t),
@@ -137,10 +138,11 @@ inline void count_bins(const Int* bins, int64_t packed, const BinTable<Acc>& t, 
 }
 
 // Counts the byte codes of a block (a whole number of vectors, padded with kNoBinCode) for each
-// bin from first to last, four bins per read of the codes.
-inline void count_codes(const uint8_t* codes, int64_t vectors, int64_t first, int64_t last,
-                        uint32_t* row, const char* ahead) {
-  typedef uint8_t Bytes __attribute__((vector_size(kCodeVector)));
+// bin from first to last, four bins per read of the codes, by comparison. `ahead` is fetched on
+// the way, so that memory stays busy meanwhile.
+template <typename Bytes>
+inline void count_codes_by_comparison(const uint8_t* codes, int64_t vectors, int64_t first,
+                                      int64_t last, uint32_t* row, const char* ahead) {
   constexpr int64_t kKeys = 4;
   for (int64_t k = first; k <= last; k += kKeys) {
     Bytes key[kKeys], hits[kKeys] = {};
@@ -152,6 +154,58 @@ inline void count_codes(const uint8_t* codes, int64_t vectors, int64_t first, in
       for (int64_t q = 0; q < kKeys; ++q) count_equal(v, key[q], hits[q]);
     }
     for (int64_t q = 0; q < kKeys && k + q <= last; ++q) row[k + q] += sum_bytes(hits[q]);
+  }
+}
+
+// The same, eight bins per read, with a byte lookup in 16-entry tables: one table per pair of bins
+// holds 1 for the first and 16 for the second, so that the two counts build up in the nibbles of a
+// byte, moved to byte counters before they can carry. Half the instructions of comparing.
+template <typename Bytes>
+inline void count_codes_by_lookup(const uint8_t* codes, int64_t vectors, int64_t first,
+                                  int64_t last, uint32_t* row, const char* ahead) {
+  constexpr int64_t kPairs = 4;
+  constexpr int64_t kNibbleMax = 15;
+  for (int64_t k = first; k <= last; k += 2 * kPairs) {
+    Bytes table[kPairs], nibbles[kPairs] = {}, even[kPairs] = {}, odd[kPairs] = {};
+    for (int64_t q = 0; q < kPairs; ++q) {
+      for (int64_t j = 0; j < kCodeVector; ++j) {
+        const int64_t entry = j % 16;
+        table[q][j] = entry == 2 * q ? 1 : entry == 2 * q + 1 ? 16 : 0;
+      }
+    }
+    const Bytes origin = Bytes{} + static_cast<uint8_t>(k);
+    for (int64_t j = 0; j < vectors; ++j) {
+      if (k == first) __builtin_prefetch(ahead + j * 64);
+      Bytes v, index;
+      std::memcpy(&v, codes + j * kCodeVector, sizeof(v));
+      lookup_index(v - origin, index);
+      for (int64_t q = 0; q < kPairs; ++q) {
+        Bytes hit;
+        lookup(table[q], index, hit);
+        nibbles[q] += hit;
+      }
+      if ((j + 1) % kNibbleMax == 0 || j + 1 == vectors) {
+        for (int64_t q = 0; q < kPairs; ++q) {
+          even[q] += nibbles[q] & 15;
+          odd[q] += nibbles[q] >> 4;
+          nibbles[q] = Bytes{};
+        }
+      }
+    }
+    for (int64_t q = 0; q < kPairs; ++q) {
+      if (k + 2 * q <= last) row[k + 2 * q] += sum_bytes(even[q]);
+      if (k + 2 * q + 1 <= last) row[k + 2 * q + 1] += sum_bytes(odd[q]);
+    }
+  }
+}
+
+inline void count_codes(const uint8_t* codes, int64_t vectors, int64_t first, int64_t last,
+                        uint32_t* row, const char* ahead) {
+  typedef uint8_t Bytes __attribute__((vector_size(kCodeVector)));
+  if constexpr (kByteLookup) {
+    count_codes_by_lookup<Bytes>(codes, vectors, first, last, row, ahead);
+  } else {
+    count_codes_by_comparison<Bytes>(codes, vectors, first, last, row, ahead);
   }
 }
 
@@ -213,6 +267,8 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
   using Bins = VectorBins<Acc>;
   constexpr int64_t lanes = kVectorBytes / sizeof(Acc);
   constexpr int kAcc = Full ? 2 : 4;
+  // Vectors per step: four where their codes are narrowed to bytes together.
+  constexpr int kStep = coded(Mode) ? 4 : kAcc;
   const Vec shift_v = Vec{} + shift;
   const Vec near_zero_v = Vec{} + near_zero;
   Vec a1[kAcc] = {}, a2[kAcc] = {}, a3[kAcc] = {}, a4[kAcc] = {};
@@ -220,46 +276,46 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
   Vec hi = Vec{} - static_cast<Acc>(INFINITY);
   Mask small = {};
   // Codes seen, as unsigned bytes (lowest: kNoBinCode never wins) and signed (highest: codes of
-  // 128 and above, kNoBinCode among them, are negative).
+  // values below the range, kNoBinCode among them, are negative).
   typename Bins::CodeBytes lowest = {};
   lowest = ~lowest;
   typename Bins::SignedCodeBytes highest = {};
   highest -= 1;
   int64_t packed = 0;
   int64_t i = 0;
-  for (; i + kAcc * lanes <= n; i += kAcc * lanes) {
+  for (; i + kStep * lanes <= n; i += kStep * lanes) {
     const char* ahead = reinterpret_cast<const char*>(p + i) + kPrefetchBytes;
-    for (int64_t line = 0; line < kAcc * kVectorBytes; line += 64) __builtin_prefetch(ahead + line);
-    for (int k = 0; k < kAcc; ++k) {
+    for (int64_t line = 0; line < kStep * kVectorBytes; line += 64) {
+      __builtin_prefetch(ahead + line);
+    }
+    for (int k = 0; k < kStep; ++k) {
       Vec v;
       std::memcpy(&v, p + i + k * lanes, sizeof(Vec));
       const Vec d = v - shift_v;
       const Vec d2 = d * d;
-      a1[k] += d;
-      a2[k] += d2;
+      a1[k % kAcc] += d;
+      a2[k % kAcc] += d2;
       if constexpr (Full) {
-        a3[k] += d2 * d;
-        a4[k] += d2 * d2;
+        a3[k % kAcc] += d2 * d;
+        a4[k % kAcc] += d2 * d2;
         lo = v < lo ? v : lo;
         hi = v > hi ? v : hi;
-        small -= v <= near_zero_v;
+        count_at_most(v, near_zero_v, small);
       }
       if constexpr (Mode == HistMode::kPacked) packed += finder->pack(v, out + packed);
     }
     if constexpr (coded(Mode)) {
-      for (int k = 0; k < kAcc; k += 2) {
-        Vec a, b;
-        std::memcpy(&a, p + i + k * lanes, sizeof(Vec));
-        std::memcpy(&b, p + i + (k + 1) * lanes, sizeof(Vec));
-        typename Bins::Index code_a, code_b;
-        finder->template code<Mode == HistMode::kExactCoded>(a, b, code_a, code_b);
-        typename Bins::CodeBytes bytes;
-        narrow_codes(code_a, code_b, bytes);
-        std::memcpy(out + i + k * lanes, &bytes, sizeof(bytes));
-        lowest = bytes < lowest ? bytes : lowest;
-        const auto as_signed = (typename Bins::SignedCodeBytes)bytes;
-        highest = as_signed > highest ? as_signed : highest;
-      }
+      Vec v[4];
+      for (int k = 0; k < 4; ++k) std::memcpy(&v[k], p + i + k * lanes, sizeof(Vec));
+      typename Bins::Index codes[4];
+      finder->template code<Mode == HistMode::kExactCoded>(v[0], v[1], codes[0], codes[1]);
+      finder->template code<Mode == HistMode::kExactCoded>(v[2], v[3], codes[2], codes[3]);
+      typename Bins::CodeBytes bytes;
+      narrow_codes(codes, bytes);
+      std::memcpy(out + i, &bytes, sizeof(bytes));
+      lowest = bytes < lowest ? bytes : lowest;
+      const auto as_signed = (typename Bins::SignedCodeBytes)bytes;
+      highest = as_signed > highest ? as_signed : highest;
     }
   }
   BlockSums<Acc> s;

@@ -115,24 +115,31 @@ inline int64_t pack_lanes(const Long4& index, const Long4& mask, int64_t* out) {
   return count;
 }
 
-// Two vectors of bin codes as bytes, in order; every code outside [0, 255] (-1 for none among
-// them) becomes 0xff: an unsigned minimum, then saturating packs that keep 0 to 255.
+// Four vectors of bin codes as bytes, in any order (counting needs none): signed saturation keeps
+// every code outside [0, bins] outside it, and -1 (in no bin) as 0xff.
 template <typename Bytes>
-inline void narrow_codes(const Int8& a, const Int8& b, Bytes& out) {
-  static_assert(sizeof(Bytes) == 16);
-  const __m256i none = _mm256_set1_epi32(255);
-  const __m256i words = _mm256_packs_epi32(_mm256_min_epu32(reinterpret_cast<__m256i>(a), none),
-                                           _mm256_min_epu32(reinterpret_cast<__m256i>(b), none));
-  const __m256i bytes = _mm256_packus_epi16(words, words);
-  // Packs work within 128-bit halves: each half's low 8 bytes hold 4 codes of a and 4 of b.
-  out = reinterpret_cast<Bytes>(_mm256_castsi256_si128(_mm256_permute4x64_epi64(bytes, 0b1000)));
+inline void narrow_codes(const Int8 (&codes)[4], Bytes& out) {
+  static_assert(sizeof(Bytes) == 32);
+  const __m256i low =
+      _mm256_packs_epi32(reinterpret_cast<__m256i>(codes[0]), reinterpret_cast<__m256i>(codes[1]));
+  const __m256i high =
+      _mm256_packs_epi32(reinterpret_cast<__m256i>(codes[2]), reinterpret_cast<__m256i>(codes[3]));
+  out = reinterpret_cast<Bytes>(_mm256_packs_epi16(low, high));
 }
 template <typename Bytes>
-inline void narrow_codes(const Long4& a, const Long4& b, Bytes& out) {
-  for (int j = 0; j < 4; ++j) {
-    out[j] = static_cast<uint64_t>(a[j]) < 255 ? a[j] : 255;
-    out[4 + j] = static_cast<uint64_t>(b[j]) < 255 ? b[j] : 255;
+inline void narrow_codes(const Long4 (&codes)[4], Bytes& out) {
+  for (int q = 0; q < 4; ++q) {
+    for (int j = 0; j < 4; ++j) {
+      const int64_t c = codes[q][j];
+      out[4 * q + j] = static_cast<uint8_t>(c < -128 ? -128 : c > 127 ? 127 : c);
+    }
   }
+}
+
+// Adds one to each lane of counts where v <= limit (a true comparison is -1).
+template <typename Vec, typename Index>
+inline void count_at_most(const Vec& v, const Vec& limit, Index& counts) {
+  counts -= v <= limit;
 }
 
 typedef uint8_t Bytes32 __attribute__((vector_size(32)));
@@ -147,6 +154,19 @@ inline int64_t sum_bytes(const Bytes32& bytes) {
 template <typename Bytes>
 inline void count_equal(const Bytes& codes, const Bytes& key, Bytes& hits) {
   hits -= (Bytes)(codes == key);
+}
+
+// Byte lookups in a 16-entry table per 16-byte lane. The index of a code `offset` above the
+// table's first entry (wrapped below it) has bit 7 clear, and the offset in its low bits, only for
+// an offset below 16: then the lookup gives the entry, else 0.
+constexpr bool kByteLookup = true;
+inline void lookup_index(const Bytes32& offset, Bytes32& index) {
+  index = reinterpret_cast<Bytes32>(
+      _mm256_adds_epu8(reinterpret_cast<__m256i>(offset), _mm256_set1_epi8(0x70)));
+}
+inline void lookup(const Bytes32& table, const Bytes32& index, Bytes32& out) {
+  out = reinterpret_cast<Bytes32>(
+      _mm256_shuffle_epi8(reinterpret_cast<__m256i>(table), reinterpret_cast<__m256i>(index)));
 }
 
 #include "chunk_stats_impl.h"

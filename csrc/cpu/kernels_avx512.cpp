@@ -100,21 +100,41 @@ inline int64_t pack_lanes(const Long8& index, const Long8& mask, int64_t* out) {
   return __builtin_popcount(keep);
 }
 
-// Two vectors of bin codes as bytes, in order: unsigned saturation makes every code outside
-// [0, 255] (-1 for none among them) 0xff.
+// Four vectors of bin codes as bytes, in any order (counting needs none): signed saturation keeps
+// every code outside [0, bins] outside it, and -1 (in no bin) as 0xff.
 template <typename Bytes>
-inline void narrow_codes(const Int16& a, const Int16& b, Bytes& out) {
-  static_assert(sizeof(Bytes) == 32);
-  const __m128i low = _mm512_maskz_cvtusepi32_epi8(0xffff, reinterpret_cast<__m512i>(a));
-  const __m128i high = _mm512_maskz_cvtusepi32_epi8(0xffff, reinterpret_cast<__m512i>(b));
-  out = reinterpret_cast<Bytes>(_mm256_set_m128i(high, low));
+inline void narrow_codes(const Int16 (&codes)[4], Bytes& out) {
+  static_assert(sizeof(Bytes) == 64);
+  const __m512i low =
+      _mm512_packs_epi32(reinterpret_cast<__m512i>(codes[0]), reinterpret_cast<__m512i>(codes[1]));
+  const __m512i high =
+      _mm512_packs_epi32(reinterpret_cast<__m512i>(codes[2]), reinterpret_cast<__m512i>(codes[3]));
+  out = reinterpret_cast<Bytes>(_mm512_packs_epi16(low, high));
 }
 template <typename Bytes>
-inline void narrow_codes(const Long8& a, const Long8& b, Bytes& out) {
-  static_assert(sizeof(Bytes) == 16);
-  const __m128i low = _mm512_maskz_cvtusepi64_epi8(0xff, reinterpret_cast<__m512i>(a));
-  const __m128i high = _mm512_maskz_cvtusepi64_epi8(0xff, reinterpret_cast<__m512i>(b));
-  out = reinterpret_cast<Bytes>(_mm_unpacklo_epi64(low, high));
+inline void narrow_codes(const Long8 (&codes)[4], Bytes& out) {
+  static_assert(sizeof(Bytes) == 32);
+  __m128i part[4];
+  for (int q = 0; q < 4; ++q) {
+    part[q] = _mm512_maskz_cvtsepi64_epi8(0xff, reinterpret_cast<__m512i>(codes[q]));
+  }
+  out = reinterpret_cast<Bytes>(
+      _mm256_set_m128i(_mm_unpacklo_epi64(part[2], part[3]), _mm_unpacklo_epi64(part[0], part[1])));
+}
+
+// Adds one to each lane of counts where v <= limit: a compare into a mask and a masked subtract of
+// -1 (the generic form materialises the comparison first).
+inline void count_at_most(const Float16& v, const Float16& limit, Int16& counts) {
+  const __mmask16 at_most =
+      _mm512_cmp_ps_mask(reinterpret_cast<__m512>(v), reinterpret_cast<__m512>(limit), _CMP_LE_OQ);
+  const __m512i c = reinterpret_cast<__m512i>(counts);
+  counts = reinterpret_cast<Int16>(_mm512_mask_sub_epi32(c, at_most, c, _mm512_set1_epi32(-1)));
+}
+inline void count_at_most(const Double8& v, const Double8& limit, Long8& counts) {
+  const __mmask8 at_most = _mm512_cmp_pd_mask(reinterpret_cast<__m512d>(v),
+                                              reinterpret_cast<__m512d>(limit), _CMP_LE_OQ);
+  const __m512i c = reinterpret_cast<__m512i>(counts);
+  counts = reinterpret_cast<Long8>(_mm512_mask_sub_epi64(c, at_most, c, _mm512_set1_epi64(-1)));
 }
 
 typedef uint8_t Bytes64 __attribute__((vector_size(64)));
@@ -133,6 +153,19 @@ inline void count_equal(const Bytes64& codes, const Bytes64& key, Bytes64& hits)
   hits = reinterpret_cast<Bytes64>(_mm512_mask_add_epi8(reinterpret_cast<__m512i>(hits), equal,
                                                         reinterpret_cast<__m512i>(hits),
                                                         _mm512_set1_epi8(1)));
+}
+
+// Byte lookups in a 16-entry table per 16-byte lane. The index of a code `offset` above the
+// table's first entry (wrapped below it) has bit 7 clear, and the offset in its low bits, only for
+// an offset below 16: then the lookup gives the entry, else 0.
+constexpr bool kByteLookup = true;
+inline void lookup_index(const Bytes64& offset, Bytes64& index) {
+  index = reinterpret_cast<Bytes64>(
+      _mm512_adds_epu8(reinterpret_cast<__m512i>(offset), _mm512_set1_epi8(0x70)));
+}
+inline void lookup(const Bytes64& table, const Bytes64& index, Bytes64& out) {
+  out = reinterpret_cast<Bytes64>(
+      _mm512_shuffle_epi8(reinterpret_cast<__m512i>(table), reinterpret_cast<__m512i>(index)));
 }
 
 #include "chunk_stats_impl.h"

@@ -62,24 +62,24 @@ inline int64_t pack_lanes(const Index& index, const Index& mask, Int* out) {
   return count;
 }
 
-template <typename Index>
-inline Index unsigned_min(const Index& a, const Index& b) {
-  typedef std::make_unsigned_t<std::remove_reference_t<decltype(a[0])>> Unsigned;
-  typedef Unsigned UIndex __attribute__((vector_size(sizeof(Index))));
-  return (UIndex)a < (UIndex)b ? a : b;
+// Four vectors of bin codes as bytes: saturated to [-128, 127], which keeps every code outside
+// [0, bins] outside it, and -1 (in no bin) as 0xff.
+template <typename Index, typename Bytes>
+inline void narrow_codes(const Index (&codes)[4], Bytes& out) {
+  constexpr size_t lanes = sizeof(Index) / sizeof(codes[0][0]);
+  typedef int8_t Quarter __attribute__((vector_size(lanes)));
+  const Index lowest = Index{} - 128, highest = Index{} + 127;
+  for (size_t q = 0; q < 4; ++q) {
+    const Index above = codes[q] > lowest ? codes[q] : lowest;
+    const Quarter bytes = __builtin_convertvector(above < highest ? above : highest, Quarter);
+    std::memcpy(reinterpret_cast<char*>(&out) + q * lanes, &bytes, lanes);
+  }
 }
 
-// Two vectors of bin codes as bytes, in order; every code outside [0, 255] (-1 for none among
-// them) becomes 0xff.
-template <typename Index, typename Bytes>
-inline void narrow_codes(const Index& a, const Index& b, Bytes& out) {
-  constexpr size_t lanes = sizeof(Index) / sizeof(a[0]);
-  typedef uint8_t Half __attribute__((vector_size(lanes)));
-  const Index none = Index{} + 255;
-  const Half low = __builtin_convertvector(unsigned_min(a, none), Half);
-  const Half high = __builtin_convertvector(unsigned_min(b, none), Half);
-  std::memcpy(&out, &low, lanes);
-  std::memcpy(reinterpret_cast<char*>(&out) + lanes, &high, lanes);
+// Adds one to each lane of counts where v <= limit (a true comparison is -1).
+template <typename Vec, typename Index>
+inline void count_at_most(const Vec& v, const Vec& limit, Index& counts) {
+  counts -= v <= limit;
 }
 
 template <typename Bytes>
@@ -94,6 +94,9 @@ template <typename Bytes>
 inline void count_equal(const Bytes& codes, const Bytes& key, Bytes& hits) {
   hits -= (Bytes)(codes == key);
 }
+
+// No byte lookup in the baseline instruction set: bins are counted by comparison.
+constexpr bool kByteLookup = false;
 
 #include "chunk_stats_impl.h"
 
