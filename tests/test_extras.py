@@ -114,6 +114,18 @@ def test_extremes_counts_and_histograms_are_exact(accumulate, dtype, bins, lo, h
     assert b.extra[1, 0, 0].item() == finite.float().amax().item()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
+@pytest.mark.parametrize("bins, lo, hi", [(40, 0.0, 10.0), (7, -1.3, 2.9), (100, 0.0, 10.0)])
+def test_histogram_with_most_values_in_one_bin_is_exact(accumulate, bins, lo, hi, device):
+    # A ReLU output: half of the values are 0, and every lane of a vector often lands in one bin.
+    x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(4)).relu()
+    x[:70_000] = 0.5
+    b = StatBuffers(1, 1, device, full=False, hist_bins=bins)
+    accumulate(x.to(device), *b.op_args(), 0, 0.05, lo, hi)
+    assert b.hist[0, 0].tolist() == _reference_histogram(x, bins, lo, hi)
+
+
 @pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
 @pytest.mark.parametrize("bins, lo, hi", [(40, -5.0, 5.0), (100, -5.0, 5.0), (40, 0.0, 10.0)])
 def test_histogram_matches_torch_histc_off_the_edges(accumulate, bins, lo, hi):

@@ -1,7 +1,7 @@
 // Statistics of one chunk of contiguous values, in one read pass. This file is included inside an
 // instruction-set namespace by kernels_<isa>.cpp, which first defines kVectorBytes (the width of
-// its vectors), half_to_float() and the vector primitives; it includes nothing, so that each
-// inclusion compiles for its own target.
+// its vectors), kByteLookup, half_to_float() and the vector primitives; it includes nothing, so
+// that each inclusion compiles for its own target.
 
 template <typename T>
 struct Accumulator {
@@ -18,6 +18,19 @@ constexpr int64_t kBlock = 2048;
 // Streaming from memory, a software prefetch this far ahead keeps more loads in flight than the
 // hardware prefetcher alone (measured: about +10% once the tensor no longer fits in cache).
 constexpr int64_t kPrefetchBytes = 16384;
+
+// Counting primitives in the generic vector extension; a kernel with better instructions for them
+// defines overloads of its own, which win.
+// Adds one to each byte of hits where codes equals key (a true comparison is -1).
+template <typename Bytes>
+inline void count_equal(const Bytes& codes, const Bytes& key, Bytes& hits) {
+  hits -= (Bytes)(codes == key);
+}
+// Adds one to each lane of counts where v <= limit.
+template <typename Vec, typename Index>
+inline void count_at_most(const Vec& v, const Vec& limit, Index& counts) {
+  counts -= v <= limit;
+}
 
 // How a block's histogram is counted: with few bins, each value's bin goes into a byte code
 // (outside [0, bins]: in no bin) and the codes are counted by comparing a vector of them
@@ -174,6 +187,7 @@ inline void count_codes_by_lookup(const uint8_t* codes, int64_t vectors, int64_t
       }
     }
     const Bytes origin = Bytes{} + static_cast<uint8_t>(k);
+    int64_t room = kNibbleMax;  // reads before a nibble could carry
     for (int64_t j = 0; j < vectors; ++j) {
       if (k == first) __builtin_prefetch(ahead + j * 64);
       Bytes v, index;
@@ -184,12 +198,13 @@ inline void count_codes_by_lookup(const uint8_t* codes, int64_t vectors, int64_t
         lookup(table[q], index, hit);
         nibbles[q] += hit;
       }
-      if ((j + 1) % kNibbleMax == 0 || j + 1 == vectors) {
+      if (--room == 0 || j + 1 == vectors) {
         for (int64_t q = 0; q < kPairs; ++q) {
           even[q] += nibbles[q] & 15;
           odd[q] += nibbles[q] >> 4;
           nibbles[q] = Bytes{};
         }
+        room = kNibbleMax;
       }
     }
     for (int64_t q = 0; q < kPairs; ++q) {

@@ -136,24 +136,12 @@ inline void narrow_codes(const Long4 (&codes)[4], Bytes& out) {
   }
 }
 
-// Adds one to each lane of counts where v <= limit (a true comparison is -1).
-template <typename Vec, typename Index>
-inline void count_at_most(const Vec& v, const Vec& limit, Index& counts) {
-  counts -= v <= limit;
-}
-
 typedef uint8_t Bytes32 __attribute__((vector_size(32)));
 inline int64_t sum_bytes(const Bytes32& bytes) {
   const __m256i sums = _mm256_sad_epu8(reinterpret_cast<__m256i>(bytes), _mm256_setzero_si256());
   const __m128i half =
       _mm_add_epi64(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
   return _mm_cvtsi128_si64(half) + _mm_extract_epi64(half, 1);
-}
-
-// Adds one to each byte of hits where codes equals key (a true comparison is -1).
-template <typename Bytes>
-inline void count_equal(const Bytes& codes, const Bytes& key, Bytes& hits) {
-  hits -= (Bytes)(codes == key);
 }
 
 // Byte lookups in a 16-entry table per 16-byte lane. The index of a code `offset` above the

@@ -76,23 +76,11 @@ inline void narrow_codes(const Index (&codes)[4], Bytes& out) {
   }
 }
 
-// Adds one to each lane of counts where v <= limit (a true comparison is -1).
-template <typename Vec, typename Index>
-inline void count_at_most(const Vec& v, const Vec& limit, Index& counts) {
-  counts -= v <= limit;
-}
-
 template <typename Bytes>
 inline int64_t sum_bytes(const Bytes& bytes) {
   int64_t sum = 0;
   for (size_t j = 0; j < sizeof(Bytes); ++j) sum += bytes[j];
   return sum;
-}
-
-// Adds one to each byte of hits where codes equals key (a true comparison is -1).
-template <typename Bytes>
-inline void count_equal(const Bytes& codes, const Bytes& key, Bytes& hits) {
-  hits -= (Bytes)(codes == key);
 }
 
 // No byte lookup in the baseline instruction set: bins are counted by comparison.
