@@ -320,11 +320,13 @@ inline BlockSums<Acc> block_sums(const Acc* p, int64_t n, Acc shift, Acc near_ze
       if constexpr (Mode == HistMode::kPacked) packed += finder->pack(v, out + packed);
     }
     if constexpr (coded(Mode)) {
-      Vec v[4];
-      for (int k = 0; k < 4; ++k) std::memcpy(&v[k], p + i + k * lanes, sizeof(Vec));
       typename Bins::Index codes[4];
-      finder->template code<Mode == HistMode::kExactCoded>(v[0], v[1], codes[0], codes[1]);
-      finder->template code<Mode == HistMode::kExactCoded>(v[2], v[3], codes[2], codes[3]);
+      for (int k = 0; k < 4; k += 2) {
+        Vec a, b;
+        std::memcpy(&a, p + i + k * lanes, sizeof(Vec));
+        std::memcpy(&b, p + i + (k + 1) * lanes, sizeof(Vec));
+        finder->template code<Mode == HistMode::kExactCoded>(a, b, codes[k], codes[k + 1]);
+      }
       typename Bins::CodeBytes bytes;
       narrow_codes(codes, bytes);
       std::memcpy(out + i, &bytes, sizeof(bytes));
