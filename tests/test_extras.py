@@ -137,15 +137,16 @@ def test_histogram_matches_torch_histc_off_the_edges(accumulate, bins, lo, hi):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
-def test_nan_makes_min_and_max_nan_and_is_counted(accumulate, device):
+@pytest.mark.parametrize("bins, lo, hi", [(4, -1.0, 1.0), (7, -1.3, 2.9), (100, -1.3, 2.9)])
+def test_nan_makes_min_and_max_nan_and_is_counted(accumulate, bins, lo, hi, device):
     for where in (0, 70_000, 99_999):
         x = torch.randn(100_000)
         x[where] = math.nan
-        b = StatBuffers(1, 1, device, full=True, hist_bins=4)
-        accumulate(x.to(device), *b.op_args(), 0, 0.05, -1.0, 1.0)
+        b = StatBuffers(1, 1, device, full=True, hist_bins=bins)
+        accumulate(x.to(device), *b.op_args(), 0, 0.05, lo, hi)
         assert math.isnan(b.extra[0, 0, 0].item()) and math.isnan(b.extra[1, 0, 0].item())
         assert b.nonfinite()[0, 0].item() == 1
-        assert b.hist[0, 0].sum().item() == int(((x >= -1) & (x <= 1)).sum())
+        assert b.hist[0, 0].tolist() == _reference_histogram(x, bins, lo, hi)
 
 
 @pytest.mark.parametrize("device", DEVICES)

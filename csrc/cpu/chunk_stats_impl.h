@@ -66,8 +66,7 @@ struct VectorBins {
       : table(t),
         scale(Vec{} + t.scale),
         offset(Vec{} + t.lo * t.scale),
-        low(Vec{} + Acc(0.5)),
-        high(Vec{} + (static_cast<Acc>(t.bins) - Acc(0.5))),
+        last(Index{} + static_cast<Int>(t.bins - 1)),
         first(Vec{} + t.lower[0]),
         top(Vec{} + t.top),
         near_low(Vec{} + margin),
@@ -75,24 +74,30 @@ struct VectorBins {
         origin(Vec{} + (exact_origin == kNoExactOrigin ? Acc(0) : static_cast<Acc>(exact_origin))) {
   }
 
-  // A first guess of each lane's bin, as if every value were inside the range, and the lanes
-  // whose guess may be one bin off. (Vectors are passed by reference: returning one by value
-  // changes the ABI of the portable kernels.)
+  // A first guess of each lane's bin, the floor of its position in bins, and the lanes whose
+  // guess may be one bin off. Away from an edge the guess is the bin, or a position outside
+  // [0, bins) for a value in none (NaN among them). (Vectors are passed by reference: returning
+  // one by value changes the ABI of the portable kernels.)
   void guess(const Vec& v, Index& pos, Index& unsure) const {
-    Vec g;
-    clamp_lanes(v * scale - offset, low, high, g);  // NaN becomes 0.5
-    pos = __builtin_convertvector(g, Index);
+    const Vec g = v * scale - offset;
+    floor_to_index(g, pos);
     const Vec fraction = g - __builtin_convertvector(pos, Vec);
     unsure = (fraction < near_low) | (fraction > near_high);
   }
 
-  // Moves each guess one step down or up against the exact edges where it is off.
+  // Each guess moved one step down or up against the exact edges where it is off, once brought
+  // into [0, bins) for the gathers; then every value in no bin marked so (-1).
   void settle(const Vec& v, Index& pos) const {
+    pos = pos < Index{} ? Index{} : pos;
+    pos = pos > last ? last : pos;
     Vec edge;
     gather(table.lower, pos, edge);
     pos += v < edge;  // a true comparison is -1
     gather(table.lower, pos + 1, edge);
     pos -= v >= edge;
+    Index none;
+    outside(v, none);
+    pos |= none;
   }
 
   // Lanes whose value is in no bin: outside the range, or NaN.
@@ -126,15 +131,12 @@ struct VectorBins {
       settle(a, code_a);
       settle(b, code_b);
     }
-    Index none;
-    outside(a, none);
-    code_a |= none;
-    outside(b, none);
-    code_b |= none;
   }
 
   const BinTable<Acc>& table;
-  const Vec scale, offset, low, high, first, top, near_low, near_high;
+  const Vec scale, offset;
+  const Index last;  // the last bin
+  const Vec first, top, near_low, near_high;
   const Vec origin;  // the exact origin, or 0 without one
 };
 

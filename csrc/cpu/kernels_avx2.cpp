@@ -38,20 +38,16 @@ inline void gather(const double* table, const Long4& index, Double4& out) {
   out = reinterpret_cast<Double4>(_mm256_i64gather_pd(table, reinterpret_cast<__m256i>(index), 8));
 }
 
-inline void clamp_lanes(const Float8& v, const Float8& low, const Float8& high, Float8& out) {
-  // max_ps returns its second operand, low, for NaN.
-  const __m256 above = _mm256_max_ps(reinterpret_cast<__m256>(v), reinterpret_cast<__m256>(low));
-  out = reinterpret_cast<Float8>(_mm256_min_ps(above, reinterpret_cast<__m256>(high)));
-}
+// max_pd returns its second operand, low, for NaN.
 inline void clamp_lanes(const Double4& v, const Double4& low, const Double4& high, Double4& out) {
   const __m256d above = _mm256_max_pd(reinterpret_cast<__m256d>(v), reinterpret_cast<__m256d>(low));
   out = reinterpret_cast<Double4>(_mm256_min_pd(above, reinterpret_cast<__m256d>(high)));
 }
 
-// Each lane rounded down to a whole number, as an index.
+// Each lane rounded down to a whole number, as an index (NaN, or beyond the index range: the
+// lowest index).
 inline void floor_to_index(const Float8& v, Int8& out) {
-  out = __builtin_convertvector(
-      reinterpret_cast<Float8>(_mm256_floor_ps(reinterpret_cast<__m256>(v))), Int8);
+  out = reinterpret_cast<Int8>(_mm256_cvtps_epi32(_mm256_floor_ps(reinterpret_cast<__m256>(v))));
 }
 inline void floor_to_index(const Double4& v, Long4& out) {
   out = __builtin_convertvector(
@@ -66,11 +62,9 @@ inline void shifted_floor(const Float8& v, const Float8& scale, const Float8& or
 }
 inline void shifted_floor(const Double4& v, const Double4& scale, const Double4& origin,
                           Long4& out) {
-  const Double4 lowest = origin - 1.0, highest = origin + 256.0;
-  const __m256d bounded = _mm256_min_pd(
-      _mm256_max_pd(reinterpret_cast<__m256d>(v * scale), reinterpret_cast<__m256d>(lowest)),
-      reinterpret_cast<__m256d>(highest));  // NaN becomes lowest
-  floor_to_index(reinterpret_cast<Double4>(bounded), out);
+  Double4 bounded;
+  clamp_lanes(v * scale, origin - 1.0, origin + 256.0, bounded);  // NaN becomes origin - 1
+  floor_to_index(bounded, out);
   out -= __builtin_convertvector(origin, Long4);
 }
 

@@ -42,12 +42,6 @@ inline void gather(const double* table, const Long8& index, Double8& out) {
       _mm512_setzero_pd(), 0xff, reinterpret_cast<__m512i>(index), table, 8));
 }
 
-template <typename Vec>
-inline void clamp_lanes(const Vec& v, const Vec& low, const Vec& high, Vec& out) {
-  const Vec above = v > low ? v : low;  // vmaxps: NaN becomes low
-  out = above < high ? above : high;
-}
-
 // Each lane rounded down to a whole number, as an index: the conversion rounds down itself.
 constexpr int kFloor = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
 inline void floor_to_index(const Float16& v, Int16& out) {

@@ -27,12 +27,16 @@ inline void clamp_lanes(const Vec& v, const Vec& low, const Vec& high, Vec& out)
   out = above < high ? above : high;
 }
 
-// Each lane rounded down to a whole number, as an index: truncated, then one less where that
-// rounded up (a negative fraction). Baseline instructions only.
+// Each lane rounded down to a whole number, as an index: bounded to +-2^30 first (NaN to -2^30),
+// so that every conversion is defined, truncated, then one less where that rounded up (a negative
+// fraction). Baseline instructions only.
 template <typename Vec, typename Index>
 inline void floor_to_index(const Vec& v, Index& out) {
-  const Index truncated = __builtin_convertvector(v, Index);
-  out = truncated + (v < __builtin_convertvector(truncated, Vec));  // a true comparison is -1
+  const Vec limit = Vec{} + (1 << 30);
+  Vec bounded;
+  clamp_lanes(v, -limit, limit, bounded);
+  const Index truncated = __builtin_convertvector(bounded, Index);
+  out = truncated + (bounded < __builtin_convertvector(truncated, Vec));  // true is -1
 }
 
 // floor(v * scale - origin) as an index, for v * scale exact (NaN: outside [0, 256)). The product
