@@ -33,8 +33,8 @@ inline void count_at_most(const Vec& v, const Vec& limit, Index& counts) {
 }
 
 // How a block's histogram is counted: with few bins, each value's bin goes into a byte code
-// (outside [0, bins]: in no bin) and the codes are counted by comparing a vector of them
-// at a time with each bin that occurs; with many, the bins of the values in range are packed and
+// (outside [0, bins]: in no bin) and the codes are counted a vector of them at a time for each
+// bin that occurs (count_codes); with many, the bins of the values in range are packed and
 // counted one by one. kExactCoded is kCoded where the first guess of a bin is provably exact
 // (ChunkParams::exact_origin).
 enum class HistMode { kNone, kCoded, kExactCoded, kPacked };

@@ -39,13 +39,11 @@ inline void floor_to_index(const Vec& v, Index& out) {
   out = truncated + (bounded < __builtin_convertvector(truncated, Vec));  // true is -1
 }
 
-// floor(v * scale - origin) as an index, for v * scale exact (NaN: outside [0, 256)). The product
-// is bounded first, so that every conversion is defined.
+// floor(v * scale - origin) as an index, for v * scale exact (NaN, or beyond +-2^30: outside
+// [0, 256), as floor_to_index bounds its input).
 template <typename Vec, typename Index>
 inline void shifted_floor(const Vec& v, const Vec& scale, const Vec& origin, Index& out) {
-  Vec bounded;
-  clamp_lanes(v * scale, origin - 1, origin + 256, bounded);  // NaN becomes origin - 1
-  floor_to_index(bounded, out);
+  floor_to_index(v * scale, out);
   out -= __builtin_convertvector(origin, Index);
 }
 
