@@ -1,4 +1,4 @@
-"""The fused CPU operator under each kernel build the CPU runs: AVX-512, AVX2 and portable.
+"""The fused CPU operator under each kernel build the CPU runs: AVX-512 (+GFNI), AVX2, portable.
 
 The kernels are chosen once per process (FASTHOOKS_CPU_CAPABILITY caps the choice), so each build
 runs in a worker process of its own (`workers.py`), asked for one timing round at a time; each
@@ -18,7 +18,7 @@ from pathlib import Path
 import workers
 from timing import machine_line, markdown_table, time_call
 
-CAPABILITIES = ("avx512", "avx2", "default")
+CAPABILITIES = ("avx512_gfni", "avx512", "avx2", "default")
 SUM = "torch.sum"
 # (name, shape, after a ReLU, histogram range): fastai's range and one that holds N(0,1) whole.
 ACTIVATIONS = [

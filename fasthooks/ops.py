@@ -79,7 +79,10 @@ def extension_error() -> str | None:
 
 
 def cpu_capability() -> str:
-    """The vector instruction set the fused CPU kernel runs with: "avx512", "avx2" or "default"."""
+    """The vector instruction set the fused CPU kernel runs with.
+
+    "avx512_gfni" (AVX-512 with GFNI, BITALG and VBMI), "avx512", "avx2" or "default".
+    """
     _require_extension()
     return torch.ops.fasthooks.cpu_capability()
 

@@ -29,17 +29,24 @@ bool cpu_has_avx512() {
          __builtin_cpu_supports("avx512vl");
 }
 
+bool cpu_has_avx512_gfni() {
+  return cpu_has_avx512() && __builtin_cpu_supports("gfni") &&
+         __builtin_cpu_supports("avx512bitalg") && __builtin_cpu_supports("avx512vbmi");
+}
+
 // From the least capable to the most; each runs where the CPU has its instructions.
 const Capability kCapabilities[] = {{"default", &anywhere, &default_kernels},
                                     {"avx2", &cpu_has_avx2, &avx2_kernels},
-                                    {"avx512", &cpu_has_avx512, &avx512_kernels}};
+                                    {"avx512", &cpu_has_avx512, &avx512_kernels},
+                                    {"avx512_gfni", &cpu_has_avx512_gfni, &avx512_gfni_kernels}};
 #else
 bool nowhere() { return false; }
 
 // The x86 names stay valid ceilings; nothing here runs above the portable kernels.
 const Capability kCapabilities[] = {{"default", &anywhere, &default_kernels},
                                     {"avx2", &nowhere, nullptr},
-                                    {"avx512", &nowhere, nullptr}};
+                                    {"avx512", &nowhere, nullptr},
+                                    {"avx512_gfni", &nowhere, nullptr}};
 #endif
 
 // The most capable set the CPU supports, up to FASTHOOKS_CPU_CAPABILITY where it is set.
@@ -49,7 +56,9 @@ const Capability& choose_capability() {
   if (capped) {
     bool known = false;
     for (const Capability& c : kCapabilities) known |= std::strcmp(ceiling, c.name) == 0;
-    FASTHOOKS_CHECK(known, "FASTHOOKS_CPU_CAPABILITY must be 'default', 'avx2' or 'avx512', got '",
+    FASTHOOKS_CHECK(known,
+                    "FASTHOOKS_CPU_CAPABILITY must be 'default', 'avx2', 'avx512' or "
+                    "'avx512_gfni', got '",
                     ceiling, "'");
   }
   const Capability* chosen = &kCapabilities[0];

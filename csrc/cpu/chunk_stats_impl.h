@@ -1,6 +1,6 @@
 // Statistics of one chunk of contiguous values, in one read pass. This file is included inside an
 // instruction-set namespace by kernels_<isa>.cpp, which first defines kVectorBytes (the width of
-// its vectors), kByteLookup, half_to_float() and the vector primitives; it includes nothing, so
+// its vectors), kCodeCounting, half_to_float() and the vector primitives; it includes nothing, so
 // that each inclusion compiles for its own target.
 
 template <typename T>
@@ -152,6 +152,35 @@ inline void count_bins(const Int* bins, int64_t packed, const BinTable<Acc>& t, 
   for (; i < packed; ++i) ++rows[bins[i]];
 }
 
+// Lane j of the result: lanes 2j and 2j + 1 of a followed by b, added.
+template <typename Sums, size_t... Lane>
+inline Sums add_neighbours(const Sums& a, const Sums& b, std::index_sequence<Lane...>) {
+  return __builtin_shufflevector(a, b, (2 * Lane)...) +
+         __builtin_shufflevector(a, b, (2 * Lane + 1)...);
+}
+
+// Adds the byte sum of counters[j] to row[first + j] for first + j <= last. The N vectors are
+// reduced together, neighbouring lanes added pair by pair (which keeps their order): a few
+// instructions a counter, where reducing each alone takes a dozen.
+template <size_t N, typename Bytes>
+inline void add_byte_sums(const Bytes (&counters)[N], int64_t first, int64_t last, uint32_t* row) {
+  using Sums = decltype(byte_sums(counters[0]));
+  constexpr size_t lanes = sizeof(Sums) / sizeof(int64_t);
+  static_assert(N % lanes == 0, "every lane of the reduced sums holds one counter's sum");
+  Sums sums[N];
+  for (size_t j = 0; j < N; ++j) sums[j] = byte_sums(counters[j]);
+  for (size_t m = N; m > N / lanes; m /= 2) {
+    for (size_t j = 0; j < m / 2; ++j) {
+      sums[j] = add_neighbours(sums[2 * j], sums[2 * j + 1], std::make_index_sequence<lanes>{});
+    }
+  }
+  int64_t total[N];
+  std::memcpy(total, sums, sizeof(total));
+  for (int64_t j = 0; j < static_cast<int64_t>(N) && first + j <= last; ++j) {
+    row[first + j] += total[j];
+  }
+}
+
 // Counts the byte codes of a block (a whole number of vectors, padded with kNoBinCode) for each
 // bin from first to last, four bins per read of the codes, by comparison. `ahead` is fetched on
 // the way, so that memory stays busy meanwhile.
@@ -168,7 +197,7 @@ inline void count_codes_by_comparison(const uint8_t* codes, int64_t vectors, int
       std::memcpy(&v, codes + j * kCodeVector, sizeof(v));
       for (int64_t q = 0; q < kKeys; ++q) count_equal(v, key[q], hits[q]);
     }
-    for (int64_t q = 0; q < kKeys && k + q <= last; ++q) row[k + q] += sum_bytes(hits[q]);
+    add_byte_sums(hits, k, last, row);
   }
 }
 
@@ -209,17 +238,84 @@ inline void count_codes_by_lookup(const uint8_t* codes, int64_t vectors, int64_t
         room = kNibbleMax;
       }
     }
+    Bytes counters[2 * kPairs];
     for (int64_t q = 0; q < kPairs; ++q) {
-      if (k + 2 * q <= last) row[k + 2 * q] += sum_bytes(even[q]);
-      if (k + 2 * q + 1 <= last) row[k + 2 * q + 1] += sum_bytes(odd[q]);
+      counters[2 * q] = even[q];
+      counters[2 * q + 1] = odd[q];
     }
+    add_byte_sums(counters, k, last, row);
+  }
+}
+
+// The byte j of each eight bytes in lane 8j + q: the 8 x 8 transpose of a 64-byte vector.
+template <typename Bytes, size_t... Byte>
+inline Bytes transpose_bytes(const Bytes& v, std::index_sequence<Byte...>) {
+  return __builtin_shufflevector(v, v, (Byte % 8 * 8 + Byte / 8)...);
+}
+
+// Counts Halves x 8 bins from k (see count_codes_by_transpose).
+template <int Halves, typename Bytes>
+inline void count_by_transpose(const uint8_t* codes, int64_t vectors, int64_t k,
+                               const Bytes (&one_hot)[2], const char* ahead, int64_t (&total)[16]) {
+  static_assert(sizeof(Bytes) == 64, "the transposes work on eight groups of eight bytes");
+  // A read adds at most 8 to a byte counter: 16 reads fit, then they go to wider sums.
+  constexpr int64_t kReads = 16;
+  using Sums = decltype(byte_sums(Bytes{}));
+  const Bytes origin = Bytes{} + static_cast<uint8_t>(k);
+  Sums sums[Halves] = {};
+  for (int64_t start = 0; start < vectors; start += kReads) {
+    const int64_t end = start + kReads < vectors ? start + kReads : vectors;
+    Bytes counts[Halves] = {};
+    for (int64_t j = start; j < end; ++j) {
+      if (ahead != nullptr) __builtin_prefetch(ahead + j * 64);
+      Bytes v, index;
+      std::memcpy(&v, codes + j * kCodeVector, sizeof(v));
+      lookup_index(v - origin, index);
+      for (int h = 0; h < Halves; ++h) {
+        Bytes bits;
+        lookup(one_hot[h], index, bits);
+        counts[h] += popcount_bytes(transpose_bits(bits));
+      }
+    }
+    for (int h = 0; h < Halves; ++h) {
+      sums[h] += byte_sums(transpose_bytes(counts[h], std::make_index_sequence<64>{}));
+    }
+  }
+  std::memcpy(total, sums, sizeof(sums));
+}
+
+// The same, sixteen bins per read of the codes with two byte lookups, where the kernel transposes
+// the bits of each eight bytes (transpose_bits) and counts the bits of a byte (popcount_bytes): a
+// lookup gives each code one bit, its bin's among eight; after the transpose, byte j of each eight
+// holds the bits of bin j of those eight codes, and their count is added. Each bin costs a quarter
+// of the instructions of nibble lookups.
+template <typename Bytes>
+inline void count_codes_by_transpose(const uint8_t* codes, int64_t vectors, int64_t first,
+                                     int64_t last, uint32_t* row, const char* ahead) {
+  Bytes one_hot[2];
+  for (int64_t j = 0; j < kCodeVector; ++j) {
+    const int64_t entry = j % 16;
+    one_hot[0][j] = entry < 8 ? 1 << entry : 0;
+    one_hot[1][j] = entry < 8 ? 0 : 1 << (entry - 8);
+  }
+  for (int64_t k = first; k <= last; k += 16) {
+    const char* fetch = k == first ? ahead : nullptr;
+    int64_t total[16] = {};
+    if (last - k < 8) {
+      count_by_transpose<1>(codes, vectors, k, one_hot, fetch, total);
+    } else {
+      count_by_transpose<2>(codes, vectors, k, one_hot, fetch, total);
+    }
+    for (int64_t j = 0; j < 16 && k + j <= last; ++j) row[k + j] += total[j];
   }
 }
 
 inline void count_codes(const uint8_t* codes, int64_t vectors, int64_t first, int64_t last,
                         uint32_t* row, const char* ahead) {
   typedef uint8_t Bytes __attribute__((vector_size(kCodeVector)));
-  if constexpr (kByteLookup) {
+  if constexpr (kCodeCounting == CodeCounting::kBitTranspose) {
+    count_codes_by_transpose<Bytes>(codes, vectors, first, last, row, ahead);
+  } else if constexpr (kCodeCounting == CodeCounting::kNibbleLookup) {
     count_codes_by_lookup<Bytes>(codes, vectors, first, last, row, ahead);
   } else {
     count_codes_by_comparison<Bytes>(codes, vectors, first, last, row, ahead);

@@ -25,6 +25,9 @@ struct ChunkParams {
   int64_t exact_origin;
 };
 
+// How a kernel counts the byte codes of a block's bins (see count_codes in chunk_stats_impl.h).
+enum class CodeCounting { kComparison, kNibbleLookup, kBitTranspose };
+
 // Statistics of n contiguous values; with a histogram, each value's bin is counted in one of
 // kHistLanes lane-private rows of (bins + 1) counters (the last one takes values in no bin).
 template <typename T, typename Acc>
@@ -43,6 +46,7 @@ extern const ChunkKernels default_kernels;
 #if defined(__x86_64__) || defined(__i386__)
 extern const ChunkKernels avx2_kernels;
 extern const ChunkKernels avx512_kernels;
+extern const ChunkKernels avx512_gfni_kernels;
 #endif
 
 }  // namespace fasthooks

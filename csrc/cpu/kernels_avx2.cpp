@@ -131,17 +131,15 @@ inline void narrow_codes(const Long4 (&codes)[4], Bytes& out) {
 }
 
 typedef uint8_t Bytes32 __attribute__((vector_size(32)));
-inline int64_t sum_bytes(const Bytes32& bytes) {
-  const __m256i sums = _mm256_sad_epu8(reinterpret_cast<__m256i>(bytes), _mm256_setzero_si256());
-  const __m128i half =
-      _mm_add_epi64(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-  return _mm_cvtsi128_si64(half) + _mm_extract_epi64(half, 1);
+// The sums of each eight bytes.
+inline Long4 byte_sums(const Bytes32& bytes) {
+  return reinterpret_cast<Long4>(
+      _mm256_sad_epu8(reinterpret_cast<__m256i>(bytes), _mm256_setzero_si256()));
 }
 
 // Byte lookups in a 16-entry table per 16-byte lane. The index of a code `offset` above the
 // table's first entry (wrapped below it) has bit 7 clear, and the offset in its low bits, only for
 // an offset below 16: then the lookup gives the entry, else 0.
-constexpr bool kByteLookup = true;
 inline void lookup_index(const Bytes32& offset, Bytes32& index) {
   index = reinterpret_cast<Bytes32>(
       _mm256_adds_epu8(reinterpret_cast<__m256i>(offset), _mm256_set1_epi8(0x70)));
@@ -150,6 +148,8 @@ inline void lookup(const Bytes32& table, const Bytes32& index, Bytes32& out) {
   out = reinterpret_cast<Bytes32>(
       _mm256_shuffle_epi8(reinterpret_cast<__m256i>(table), reinterpret_cast<__m256i>(index)));
 }
+
+constexpr CodeCounting kCodeCounting = CodeCounting::kNibbleLookup;
 
 #include "chunk_stats_impl.h"
 

@@ -78,15 +78,17 @@ inline void narrow_codes(const Index (&codes)[4], Bytes& out) {
   }
 }
 
-template <typename Bytes>
-inline int64_t sum_bytes(const Bytes& bytes) {
-  int64_t sum = 0;
-  for (size_t j = 0; j < sizeof(Bytes); ++j) sum += bytes[j];
-  return sum;
+// The sums of each eight bytes.
+typedef uint8_t Bytes16 __attribute__((vector_size(16)));
+typedef int64_t Long2 __attribute__((vector_size(16)));
+inline Long2 byte_sums(const Bytes16& bytes) {
+  Long2 sums = {};
+  for (size_t j = 0; j < sizeof(bytes); ++j) sums[j / 8] += bytes[j];
+  return sums;
 }
 
 // No byte lookup in the baseline instruction set: bins are counted by comparison.
-constexpr bool kByteLookup = false;
+constexpr CodeCounting kCodeCounting = CodeCounting::kComparison;
 
 #include "chunk_stats_impl.h"
 
