@@ -252,16 +252,17 @@ inline void count_codes_by_lookup(const uint8_t* codes, int64_t vectors, int64_t
   }
 }
 
-// The byte j of each eight bytes in lane 8j + q: the 8 x 8 transpose of a 64-byte vector.
+// Byte j of the q-th eight bytes moved to byte 8j + q: the 8 x 8 transpose of a 64-byte vector.
 template <typename Bytes, size_t... Byte>
 inline Bytes transpose_bytes(const Bytes& v, std::index_sequence<Byte...>) {
   return __builtin_shufflevector(v, v, (Byte % 8 * 8 + Byte / 8)...);
 }
 
-// Counts Halves x 8 bins from k (see count_codes_by_transpose).
+// Counts the codes of Halves x 8 bins from k into total (see count_codes_by_transpose).
 template <int Halves, typename Bytes>
-inline void count_by_transpose(const uint8_t* codes, int64_t vectors, int64_t k,
-                               const Bytes (&one_hot)[2], const char* ahead, int64_t (&total)[16]) {
+inline void count_window_by_transpose(const uint8_t* codes, int64_t vectors, int64_t k,
+                                      const Bytes (&one_hot)[2], const char* ahead,
+                                      int64_t (&total)[16]) {
   static_assert(sizeof(Bytes) == 64, "the transposes work on eight groups of eight bytes");
   // A read adds at most 8 to a byte counter: 16 reads fit, then they go to wider sums.
   constexpr int64_t kReads = 16;
@@ -307,9 +308,9 @@ inline void count_codes_by_transpose(const uint8_t* codes, int64_t vectors, int6
     const char* fetch = k == first ? ahead : nullptr;
     int64_t total[16] = {};
     if (last - k < 8) {
-      count_by_transpose<1>(codes, vectors, k, one_hot, fetch, total);
+      count_window_by_transpose<1>(codes, vectors, k, one_hot, fetch, total);
     } else {
-      count_by_transpose<2>(codes, vectors, k, one_hot, fetch, total);
+      count_window_by_transpose<2>(codes, vectors, k, one_hot, fetch, total);
     }
     for (int64_t j = 0; j < 16 && k + j <= last; ++j) row[k + j] += total[j];
   }
