@@ -180,6 +180,16 @@ inline void add_byte_sums(const Bytes (&counters)[N], int64_t first, int64_t las
   }
 }
 
+// The lookup index (see lookup_index) of the j-th vector of codes in a table whose first entry is
+// code `origin`.
+template <typename Bytes>
+inline Bytes code_index(const uint8_t* codes, int64_t j, const Bytes& origin) {
+  Bytes v, index;
+  std::memcpy(&v, codes + j * sizeof(Bytes), sizeof(v));
+  lookup_index(v - origin, index);
+  return index;
+}
+
 // Counts the byte codes of a block (a whole number of vectors, padded with kNoBinCode) for each
 // bin from first to last, four bins per read of the codes, by comparison. `ahead` is fetched on
 // the way, so that memory stays busy meanwhile.
@@ -226,9 +236,7 @@ inline void count_codes_by_lookup(const uint8_t* codes, int64_t vectors, int64_t
     int64_t room = kNibbleMax;  // reads before a nibble could carry
     for (int64_t j = 0; j < vectors; ++j) {
       if (k == first) __builtin_prefetch(ahead + j * 64);
-      Bytes v, index;
-      std::memcpy(&v, codes + j * kCodeVector, sizeof(v));
-      lookup_index(v - origin, index);
+      const Bytes index = code_index(codes, j, origin);
       for (int64_t q = 0; q < kPairs; ++q) {
         Bytes hit;
         lookup(table[q], index, hit);
@@ -274,9 +282,7 @@ inline void count_window_by_transpose(const uint8_t* codes, int64_t vectors, int
     Bytes counts[Halves] = {};
     for (int64_t j = start; j < end; ++j) {
       if (ahead != nullptr) __builtin_prefetch(ahead + j * 64);
-      Bytes v, index;
-      std::memcpy(&v, codes + j * kCodeVector, sizeof(v));
-      lookup_index(v - origin, index);
+      const Bytes index = code_index(codes, j, origin);
       for (int h = 0; h < Halves; ++h) {
         Bytes bits;
         lookup(one_hot[h], index, bits);
