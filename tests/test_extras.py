@@ -57,6 +57,7 @@ KURTOSIS_CASES = {
 }
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
 @pytest.mark.parametrize("case", KURTOSIS_CASES)
@@ -69,6 +70,7 @@ def test_kurtosis_against_float64(accumulate, case, device):
     assert abs(got - want) <= 1e-4 * want, (got, want)
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -114,6 +116,7 @@ def test_extremes_counts_and_histograms_are_exact(accumulate, dtype, bins, lo, h
     assert b.extra[1, 0, 0].item() == finite.float().amax().item()
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
 @pytest.mark.parametrize("bins, lo, hi", [(40, 0.0, 10.0), (7, -1.3, 2.9), (100, 0.0, 10.0)])
@@ -126,6 +129,7 @@ def test_histogram_with_most_values_in_one_bin_is_exact(accumulate, bins, lo, hi
     assert b.hist[0, 0].tolist() == _reference_histogram(x, bins, lo, hi)
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
 @pytest.mark.parametrize("bins, lo, hi", [(40, -5.0, 5.0), (100, -5.0, 5.0), (40, 0.0, 10.0)])
 def test_histogram_matches_torch_histc_off_the_edges(accumulate, bins, lo, hi):
@@ -135,6 +139,7 @@ def test_histogram_matches_torch_histc_off_the_edges(accumulate, bins, lo, hi):
     assert torch.equal(b.hist[0, 0], torch.histc(x.double(), bins, lo, hi).long())
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
 @pytest.mark.parametrize("bins, lo, hi", [(4, -1.0, 1.0), (7, -1.3, 2.9), (100, -1.3, 2.9)])
@@ -149,6 +154,7 @@ def test_nan_makes_min_and_max_nan_and_is_counted(accumulate, bins, lo, hi, devi
         assert b.hist[0, 0].tolist() == _reference_histogram(x, bins, lo, hi)
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
 def test_calls_merge_exactly(accumulate, device):

@@ -58,7 +58,13 @@ DISTRIBUTIONS = {
 @pytest.mark.parametrize("backend", ["fused", "python"])
 @pytest.mark.parametrize("dist", DISTRIBUTIONS)
 @pytest.mark.parametrize(
-    "n", [1_000, 123_457, 5_000_000, pytest.param(50_000_000, marks=pytest.mark.slow)]
+    "n",
+    [
+        pytest.param(1_000, marks=pytest.mark.isa),
+        pytest.param(123_457, marks=pytest.mark.isa),
+        5_000_000,
+        pytest.param(50_000_000, marks=pytest.mark.slow),
+    ],
 )
 def test_float32_numerics_against_float64_two_pass(backend, dist, n, full, device):
     x = DISTRIBUTIONS[dist](n, torch.Generator().manual_seed(n))
@@ -67,6 +73,7 @@ def test_float32_numerics_against_float64_two_pass(backend, dist, n, full, devic
     _assert_within_bounds(mean, std, *reference_moments(x), rel_std=1e-6)
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dtypes_match_reference(dtype, device):
@@ -88,6 +95,7 @@ def _layouts(device):
     }
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", _layouts("cpu"))
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -122,6 +130,7 @@ def test_dense_layouts_are_read_in_place_and_others_copied():
     assert "aten::clone" in _copies_made(x[:, :, ::2])
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["fused", "python"])
 def test_merging_calls_equals_concatenation(backend, device):
@@ -141,6 +150,7 @@ def test_merging_calls_equals_concatenation(backend, device):
     _assert_within_bounds(mean, math.sqrt(m2 / (count - 1)), *reference_moments(*parts))
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["fused", "python"])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -162,6 +172,7 @@ def test_empty_and_single_element(backend, dtype, device):
     assert hist[0, 1].tolist() == [0, 0, 1, 0]
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["fused", "python"])
 @pytest.mark.parametrize(
@@ -339,6 +350,7 @@ def test_callable_from_torchscript():
     _assert_within_bounds(mean, math.sqrt(m2 / 999), *reference_moments(x))
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("full", "bins"), [(False, 0), (True, 40)])
@@ -364,6 +376,7 @@ EXTREMES = {
 }
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("full", [False, True], ids=["mean_std", "every_stat"])
 @pytest.mark.parametrize("backend", ["fused", "python"])

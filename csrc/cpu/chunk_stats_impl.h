@@ -653,7 +653,8 @@ Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<
   return blocks_stats<T, Full, HistMode::kCoded>(p, n, params.near_zero, &finder, hist_rows);
 }
 
-inline ChunkKernels make_kernels() {
+// Evaluated at compile time only (see FASTHOOKS_KERNEL_TABLE in kernels.h).
+constexpr ChunkKernels make_kernels() {
   return {
       {&chunk_stats<float, false>, &chunk_stats<float, true>},
       {&chunk_stats<double, false>, &chunk_stats<double, true>},

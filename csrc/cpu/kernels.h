@@ -42,6 +42,18 @@ struct ChunkKernels {
   ChunkFn<torch::headeronly::BFloat16, float> bf16[2];
 };
 
+// The contract of a kernel unit (kernels_<isa>.cpp). It includes every header before its target
+// pragma, so that no inline function shared with another unit is compiled for its instructions;
+// inside the pragma, in a namespace of its own, it defines kVectorBytes, kCodeCounting,
+// half_to_float() and the vector primitives that chunk_stats_impl.h lists, then includes that
+// file; after the pragma it defines its table with FASTHOOKS_KERNEL_TABLE. Nothing else in the
+// unit has external linkage, and nothing of it runs before capability.cpp has checked the CPU.
+//
+// A table is constant-initialised (constinit): its pointers are fixed when the library is
+// linked, so no code of the unit runs when the library loads. A dynamic initialiser in a unit
+// compiled for AVX-512 would run AVX-512 instructions at import, on any CPU.
+#define FASTHOOKS_KERNEL_TABLE(name, table) constinit const ChunkKernels name = table
+
 extern const ChunkKernels default_kernels;
 #if defined(__x86_64__) || defined(__i386__)
 extern const ChunkKernels avx2_kernels;

@@ -159,7 +159,7 @@ constexpr CodeCounting kCodeCounting = CodeCounting::kNibbleLookup;
 #pragma GCC pop_options
 
 namespace fasthooks {
-const ChunkKernels avx2_kernels = avx2::make_kernels();
+FASTHOOKS_KERNEL_TABLE(avx2_kernels, avx2::make_kernels());
 }  // namespace fasthooks
 
 #endif

@@ -28,7 +28,7 @@ constexpr CodeCounting kCodeCounting = CodeCounting::kNibbleLookup;
 #pragma GCC pop_options
 
 namespace fasthooks {
-const ChunkKernels avx512_kernels = avx512::make_kernels();
+FASTHOOKS_KERNEL_TABLE(avx512_kernels, avx512::make_kernels());
 }  // namespace fasthooks
 
 #endif

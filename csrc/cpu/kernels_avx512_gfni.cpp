@@ -42,7 +42,7 @@ constexpr CodeCounting kCodeCounting = CodeCounting::kBitTranspose;
 #pragma GCC pop_options
 
 namespace fasthooks {
-const ChunkKernels avx512_gfni_kernels = avx512_gfni::make_kernels();
+FASTHOOKS_KERNEL_TABLE(avx512_gfni_kernels, avx512_gfni::make_kernels());
 }  // namespace fasthooks
 
 #endif

@@ -94,6 +94,6 @@ constexpr CodeCounting kCodeCounting = CodeCounting::kComparison;
 
 }  // namespace portable
 
-const ChunkKernels default_kernels = portable::make_kernels();
+FASTHOOKS_KERNEL_TABLE(default_kernels, portable::make_kernels());
 
 }  // namespace fasthooks
