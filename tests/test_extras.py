@@ -308,3 +308,44 @@ def test_host_copy_copies_each_column_once():
     source[:, :2] = -1  # already copied: not read again
     assert copy.read(source, 5).tolist() == [[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]]
     assert copy.read(source, 6)[:, 5].tolist() == [5, 11]
+
+
+# N(0, 1) at every power of ten from 1e-30 to 1e30, in the dtypes that represent it: where a
+# float's powers of the deviations leave its range (gradients near 1e-11 have 4th powers near
+# 1e-44; values near 1e20 have 4th powers beyond 3e38) every statistic must still be right.
+SCALES = [10.0**k for k in range(-30, 31)]
+SCALE_DTYPES = {
+    torch.float32: (1e-30, 1e30),
+    torch.bfloat16: (1e-30, 1e30),
+    torch.float16: (1e-3, 1e3),
+}
+
+
+def _scale_cases():
+    for dtype, (low, high) in SCALE_DTYPES.items():
+        for scale in SCALES:
+            if low <= scale <= high:
+                yield pytest.param(dtype, scale, id=f"{str(dtype)[6:]}-{scale:.0e}")
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
+@pytest.mark.parametrize(("dtype", "scale"), list(_scale_cases()))
+def test_every_statistic_at_every_scale(accumulate, dtype, scale, device):
+    g = torch.Generator().manual_seed(13)
+    x = (torch.randn(20_011, generator=g, dtype=torch.float64) * scale).to(dtype)
+    b = StatBuffers(1, 1, device, full=True, hist_bins=0)
+    near_zero = 0.3 * scale
+    accumulate(x.to(device), *b.op_args(), 0, near_zero, 0.0, 1.0)
+    v = x.double()
+    mean, std = v.mean().item(), v.std().item()
+    got_mean, got_std = b.stats[:, 0, 0].tolist()
+    assert abs(got_std - std) <= 1e-5 * std, (got_std, std)
+    assert abs(got_mean - mean) <= 1e-6 * (abs(mean) + std), (got_mean, mean)
+    want = _reference_extras([x], near_zero)
+    extra = dict(zip(EXTRA_PLANES, b.extra[:, 0, 0].tolist(), strict=True))
+    assert extra["min"] == want["min"] and extra["max"] == want["max"]
+    assert extra["near_zero"] == pytest.approx(want["near_zero"], rel=1e-6)
+    assert abs(extra["kurtosis"] - want["kurtosis"]) <= 1e-4 * want["kurtosis"], extra
+    assert b.nonfinite()[0, 0].item() == 0

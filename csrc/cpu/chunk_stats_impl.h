@@ -570,8 +570,49 @@ inline void moments_in_double(const Acc* p, int64_t n, Stats& b) {
   moments_from_shifted_sums<Full>(b, static_cast<double>(n), mean, s1, s2, s3, s4);
 }
 
+// Whether the powers of a block's deviations from its mean leave the working precision's normal
+// range: a spread this small puts the 4th powers (or, for mean and std only, the squares) within
+// 2^24 of the smallest normal number, where they lose their digits and then underflow (a float
+// gradient of 1e-11 has 4th powers near 1e-44).
+template <typename Acc, bool Full>
+inline bool spread_underflows(const Stats& b, double count) {
+  constexpr int kPower = Full ? 4 : 2;
+  constexpr int kExponent = (std::numeric_limits<Acc>::min_exponent + 24) * 2 / kPower;
+  return b.m2 < count * std::ldexp(1.0, kExponent) && std::isfinite(b.mean);
+}
+
+// The moments of a block whose spread underflows (spread_underflows), summed again with every
+// value multiplied by a power of two that brings the largest deviation from `shift` near 1. The
+// products are exact (no scaled value leaves the normal range) and so are their differences, so
+// the scaled sums are those of exact deviations; the moments are scaled back in double.
+template <typename Acc, bool Full>
+inline void rescaled_moments(const Acc* p, int64_t n, Acc shift, Stats& b) {
+  Acc largest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const Acc d = p[i] > shift ? p[i] - shift : shift - p[i];
+    largest = d > largest ? d : largest;
+  }
+  if (largest == Acc(0)) return;  // constant values: no spread to lose
+  const int exponent = -std::ilogb(largest);
+  const Acc scale = std::ldexp(Acc(1), exponent);
+  Acc scaled[kBlock];
+  for (int64_t i = 0; i < n; ++i) scaled[i] = p[i] * scale;
+  const Acc scaled_shift = shift * scale;
+  const BlockSums<Acc> s =
+      block_sums<Acc, Full, HistMode::kNone>(scaled, n, scaled_shift, Acc(0), nullptr, nullptr);
+  Stats r;
+  moments_from_shifted_sums<Full>(r, static_cast<double>(n), scaled_shift, s.s1, s.s2, s.s3, s.s4);
+  b.mean = std::ldexp(r.mean, -exponent);
+  b.m2 = std::ldexp(r.m2, -2 * exponent);
+  if constexpr (Full) {
+    b.m3 = std::ldexp(r.m3, -3 * exponent);
+    b.m4 = std::ldexp(r.m4, -4 * exponent);
+  }
+}
+
 // Statistics of one block, summed around `shift`, then once more around the block's own mean
-// when `shift` proved far from it: float sums around a distant shift lose the spread.
+// when `shift` proved far from it (float sums around a distant shift lose the spread), or with
+// its values scaled where the spread is too small for the working precision's powers.
 // With a histogram, the block's bins are counted into `rows` too.
 template <typename Acc, bool Full, HistMode Mode>
 inline Stats block_stats(const Acc* p, int64_t n, Acc shift, Acc near_zero,
@@ -585,7 +626,9 @@ inline Stats block_stats(const Acc* p, int64_t n, Acc shift, Acc near_zero,
   Stats b;
   moments_from_shifted_sums<Full>(b, count, shift, s.s1, s.s2, s.s3, s.s4);
   const double d = s.s1 / count;
-  if (4.0 * count * d * d > b.m2 && std::isfinite(b.mean)) {
+  if (spread_underflows<Acc, Full>(b, count)) {
+    rescaled_moments<Acc, Full>(p, n, finite_or_zero(static_cast<Acc>(b.mean)), b);
+  } else if (4.0 * count * d * d > b.m2 && std::isfinite(b.mean)) {
     shift = finite_or_zero(static_cast<Acc>(b.mean));
     s = block_sums<Acc, Full, HistMode::kNone>(p, n, shift, near_zero, nullptr, nullptr);
     moments_from_shifted_sums<Full>(b, count, shift, s.s1, s.s2, s.s3, s.s4);

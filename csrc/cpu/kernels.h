@@ -4,7 +4,9 @@
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <utility>
 
 #include "../histogram.h"
