@@ -184,12 +184,26 @@ def leaf_modules_with_params(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module a `torch.compile` wrapper runs (itself for any other module): its hooks fire
+    inside the compiled graph, and its `named_modules()` give the names users know.
+
+    Example:
+        >>> lin = nn.Linear(2, 2)
+        >>> unwrap_compiled(torch.compile(lin)) is lin
+        True
+    """
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
+    return model
+
+
 def _resolve_model(model: Any) -> nn.Module:
     if isinstance(model, nn.Module):
-        return model
+        return unwrap_compiled(model)
     inner = getattr(model, "model", None)
     if isinstance(inner, nn.Module):
-        return inner
+        return unwrap_compiled(inner)
     raise TypeError(
         f"model must be an nn.Module or have an nn.Module at .model, got {type(model).__name__}"
     )
@@ -204,7 +218,8 @@ class HookCallback:
     `on_train_end`); in a plain loop use it as a context manager.
 
     Args:
-        model: the `nn.Module` to watch, or any object with one at `.model` (a learner).
+        model: the `nn.Module` to watch, or any object with one at `.model` (a learner); a
+            `torch.compile` wrapper stands for the module it compiled.
         modules: the modules to hook (a single module, or an iterable); default: every leaf
             module with parameters, in `model.modules()` order.
         do_remove: remove the hooks at `on_train_end` (default True).

@@ -29,10 +29,11 @@ OPTIONS = {
 }
 
 
+@pytest.mark.parametrize("watched", ["eager_module", "compiled_wrapper"])
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_model_records_same_stats_without_recompiling(backend, compiler, options):
+def test_compiled_model_records_same_stats_without_recompiling(backend, compiler, options, watched):
     torch._dynamo.reset()
     graphs = []
 
@@ -48,10 +49,12 @@ def test_compiled_model_records_same_stats_without_recompiling(backend, compiler
 
     model = _net()
     compiled = torch.compile(model, backend=counting, fullgraph=True)
-    act = ActivationStats(model, **kwargs)
+    # Users hold either the module or the wrapper torch.compile returned (frameworks pass that).
+    act = ActivationStats(model if watched == "eager_module" else compiled, **kwargs)
     stats = _run(model, act, batches, lambda x: compiled(x).sum().backward())
 
     assert len(graphs) == 1, f"compiled {len(graphs)} graphs for 6 batches"
+    assert act.module_names == eager_act.module_names == ["0", "3", "4"]
     torch.testing.assert_close(stats, eager, rtol=1e-5, atol=1e-6)
     assert not torch.isnan(stats).any()
     for name, values in act.extra.items():
