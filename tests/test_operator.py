@@ -364,7 +364,14 @@ def test_fused_matches_the_python_reference(dtype, device, full, bins):
             b.cursor.fill_(column)
             for scale in (1, 2):
                 accumulate(x.to(dtype).to(device) * scale, *b.op_args(), 1, 0.5, 0.0, 4.0)
-        results[backend] = [t.cpu() for t in b.op_args()[:4]]
+        results[backend] = [t.cpu().clone() for t in b.op_args()[:4]]
+    if full:
+        # m3 of near-symmetric data is a near-cancellation: its error on the scale n * std^3.
+        fused, python = results["fused"][0], results["python"][0]
+        count, m2 = python[0], python[2]
+        m3_scale = (m2.clamp(min=0) ** 1.5 / count.clamp(min=1) ** 0.5).nan_to_num()
+        assert ((fused[3] - python[3]).abs() <= 1e-6 * m3_scale).all()
+        fused[3] = python[3]
     for fused, python in zip(results["fused"], results["python"], strict=True):
         torch.testing.assert_close(fused, python, rtol=1e-6, atol=1e-9, equal_nan=True)
 
