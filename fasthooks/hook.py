@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from .outputs import tensors_in
 
 HookFunc = Callable[[nn.Module, Any, Any], Any]
 
@@ -34,15 +37,58 @@ def _check_module(m: Any, name: str) -> nn.Module:
     return m
 
 
+def _grad_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a module's input or output (containers too) that autograd will reach."""
+    return [t for t in tensors_in(value) if t.requires_grad]
+
+
+class _BackwardCall:
+    """One call of a module on the way back: its gradients, gathered from hooks on its input
+    and output tensors, handed to `done(grad_input, grad_output)` once both are complete."""
+
+    def __init__(self, inputs: tuple[Any, ...], done: Callable[[Any, Any], None]) -> None:
+        self.done, self.arity, self.grad_output = done, len(inputs), None
+        self.watched = [
+            i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
+        if self.watched:  # registered before the module runs: an in-place op inside it is fine
+            tensors = [inputs[i] for i in self.watched]
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._inputs_ready)
+
+    def watch_outputs(self, output: Any) -> None:
+        outputs = _grad_tensors(output)
+        if outputs:  # registered before any later in-place op: the gradients are theirs
+            torch.autograd.graph.register_multi_grad_hook(outputs, self._outputs_ready)
+
+    def _outputs_ready(self, grads: Any) -> None:
+        self.grad_output = tuple(grads)
+        if not self.watched:
+            self.done((None,) * self.arity, self.grad_output)
+
+    def _inputs_ready(self, grads: Any) -> None:
+        grad_input: list[Any] = [None] * self.arity
+        for position, grad in zip(self.watched, grads, strict=True):
+            grad_input[position] = grad
+        self.done(tuple(grad_input), self.grad_output)
+
+
 class Hook:
-    """A forward (or full backward) hook on one module; the hook function's result is `.stored`.
+    """A forward (or backward) hook on one module; the hook function's result is `.stored`.
 
     Args:
         m: the module to hook (not a TorchScript module).
-        hook_func: called as `hook_func(module, input, output)`, or with the gradients of the
-            input and output for a backward hook.
-        is_forward: a forward hook (default) or a full backward hook.
+        hook_func: called as `hook_func(module, input, output)`, or for a backward hook as
+            `hook_func(module, grad_input, grad_output)`, as in fastai v1.
+        is_forward: a forward hook (default) or a backward hook.
         detach: detach the tensors hook_func sees (default True), inside containers too.
+
+    A backward hook is called once for each call of the module whose outputs get a gradient,
+    once the gradients of its inputs are complete too. `grad_output` is a tuple with the
+    gradient of each output tensor (None for one that got none); `grad_input` a tuple with one
+    entry per positional input: the gradient autograd computed for that tensor (for an input
+    that other modules read too, the sum over all of them), None where it needs none. It is
+    built from hooks on the tensors, so an in-place op after the module, or inside it
+    (`nn.ReLU(inplace=True)`), is fine, where a module's full backward hook fails.
 
     Example:
         >>> lin = nn.Linear(3, 2)
@@ -61,9 +107,13 @@ class Hook:
         self.hook_func, self.detach, self.is_forward = hook_func, detach, is_forward
         self.stored: Any = None
         if is_forward:
-            self._handle = m.register_forward_hook(self._hook_fn)
+            self._handles = [m.register_forward_hook(self._hook_fn)]
         else:
-            self._handle = m.register_full_backward_hook(self._hook_fn)
+            self._calls: list[_BackwardCall] = []  # open calls of the module, innermost last
+            self._handles = [
+                m.register_forward_pre_hook(self._backward_call_begins),
+                m.register_forward_hook(self._backward_call_ends),
+            ]
         self.removed = False
 
     def _hook_fn(self, module: nn.Module, input: Any, output: Any) -> None:
@@ -71,10 +121,20 @@ class Hook:
             input, output = _detach(input), _detach(output)
         self.stored = self.hook_func(module, input, output)
 
+    def _backward_call_begins(self, module: nn.Module, input: Any) -> None:
+        done = functools.partial(self._hook_fn, module)
+        self._calls.append(_BackwardCall(input, done) if torch.is_grad_enabled() else None)
+
+    def _backward_call_ends(self, module: nn.Module, input: Any, output: Any) -> None:
+        call = self._calls.pop() if self._calls else None
+        if call is not None and not self.removed:
+            call.watch_outputs(output)
+
     def remove(self) -> None:
         """Deregister the hook; calling it again does nothing."""
         if not self.removed:
-            self._handle.remove()
+            for handle in self._handles:
+                handle.remove()
             self.removed = True
 
     def __enter__(self) -> Hook:
@@ -213,7 +273,7 @@ class HookCallback:
     """Registers `self.hook(m, input, output)` on `modules` for the length of training.
 
     Subclasses define `hook`; it sees detached tensors unless the subclass sets
-    `detach = False`. With `is_forward=False` it is a full backward hook: `hook(m, grad_input,
+    `detach = False`. With `is_forward=False` it is a backward hook (see `Hook`): `hook(m, grad_input,
     grad_output)`. The lifecycle keeps fastai v1's names (`on_train_begin`, `on_batch_end`,
     `on_train_end`); in a plain loop use it as a context manager.
 
@@ -223,7 +283,7 @@ class HookCallback:
         modules: the modules to hook (a single module, or an iterable); default: every leaf
             module with parameters, in `model.modules()` order.
         do_remove: remove the hooks at `on_train_end` (default True).
-        is_forward: forward hooks (default) or full backward hooks.
+        is_forward: forward hooks (default) or backward hooks (see `Hook`).
 
     Example:
         >>> class Shapes(HookCallback):
@@ -264,7 +324,7 @@ class HookCallback:
         raise NotImplementedError(f"{type(self).__name__} must define hook(self, m, input, output)")
 
     def registers_forward(self) -> bool:
-        """Forward hooks, or (with `is_forward=False`) full backward hooks seeing gradients."""
+        """Forward hooks, or (with `is_forward=False`) backward hooks seeing gradients."""
         return self.is_forward
 
     def resolve_modules(self) -> list[nn.Module]:

@@ -9,20 +9,20 @@ from typing import Any
 import torch
 
 
-def _tensors(output: Any) -> Iterator[torch.Tensor]:
+def tensors_in(output: Any) -> Iterator[torch.Tensor]:
     """Every tensor in `output`, depth first: tuples, lists, named tuples, dicts in insertion
     order (Hugging Face's ModelOutput among them) and dataclasses."""
     if isinstance(output, torch.Tensor):
         yield output
     elif isinstance(output, (tuple, list)):
         for item in output:
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif isinstance(output, Mapping):
         for item in output.values():
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif dataclasses.is_dataclass(output) and not isinstance(output, type):
         for field in dataclasses.fields(output):
-            yield from _tensors(getattr(output, field.name))
+            yield from tensors_in(getattr(output, field.name))
 
 
 def _measurable(t: torch.Tensor) -> bool:
@@ -54,7 +54,7 @@ def measured_tensor(output: Any) -> tuple[torch.Tensor | None, str]:
         (None, 'no tensor (got NoneType)')
     """
     fallback = unsupported = None
-    for t in _tensors(output):
+    for t in tensors_in(output):
         if _measurable(t):
             return t, ""
         integral = not t.is_complex() and not t.is_floating_point() and not t.is_quantized

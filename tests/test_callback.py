@@ -24,7 +24,10 @@ def _net() -> nn.Sequential:
 
 
 def _hook_count(model: nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._backward_hooks) for m in model.modules())
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+        for m in model.modules()
+    )
 
 
 def test_default_modules_are_leaves_with_parameters_in_order():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from fasthooks import Hook, Hooks, hook_output, hook_outputs
+from fasthooks import Hook, HookCallback, Hooks, hook_output, hook_outputs
 
 
 def _net() -> nn.Sequential:
@@ -121,3 +121,73 @@ def test_hook_outputs_on_nested_model():
     torch.testing.assert_close(hooks.stored[1], conv_out.relu())
     torch.testing.assert_close(hooks.stored[2], y)
     torch.testing.assert_close(hooks.stored[3], y)
+
+
+def _inplace_net() -> nn.Sequential:
+    """A ResNet's pattern: a layer followed by an in-place activation, and one hooked itself."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 8),
+        nn.ReLU(inplace=True),
+        nn.Linear(8, 8),
+        nn.ReLU(inplace=True),
+        nn.Linear(8, 3),
+    )
+
+
+def _reference_gradients(model: nn.Module, x: torch.Tensor) -> dict[int, tuple]:
+    """(grad_input, grad_output) of each module from full backward hooks on an out-of-place
+    copy of `model`, where those hooks work."""
+    copy = nn.Sequential(*(nn.ReLU() if isinstance(m, nn.ReLU) else m for m in model))
+    seen: dict[int, tuple] = {}
+    handles = [
+        m.register_full_backward_hook(lambda m, gi, go, i=i: seen.setdefault(i, (gi, go)) and None)
+        for i, m in enumerate(copy)
+    ]
+    copy(x).pow(2).sum().backward()
+    for h in handles:
+        h.remove()
+    return seen
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
+def test_backward_hooks_survive_in_place_ops_and_see_the_gradients():
+    model, x = _inplace_net(), torch.randn(6, 4)
+    want = _reference_gradients(model, x)
+    backward = Hooks(model, lambda m, gi, go: (gi, go), is_forward=False)
+    with backward as hooks, hook_outputs(model, grad=True) as grads:
+        model(x).pow(2).sum().backward()
+    for i, (grad_input, grad_output) in enumerate(hooks.stored):
+        torch.testing.assert_close(grad_output[0], want[i][1][0])
+        assert grads.stored[i][0] is not None
+        torch.testing.assert_close(grads.stored[i][0], want[i][1][0])
+        if i == 0:  # the data needs no gradient
+            assert grad_input == (None,)
+        else:  # the in-place ReLU's own input gradient is its output's, masked
+            torch.testing.assert_close(grad_input[0], want[i][0][0])
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
+def test_backward_hook_callback_on_a_layer_before_an_in_place_relu():
+    class GradNorms(HookCallback):
+        def hook(self, m, grad_input, grad_output):
+            return grad_output[0].norm()
+
+    model, x = _inplace_net(), torch.randn(6, 4)
+    want = _reference_gradients(model, x)
+    with GradNorms(model, is_forward=False) as cb:
+        model(x).pow(2).sum().backward()
+        norms = cb.hooks.stored
+    assert cb.modules == [model[0], model[2], model[4]]
+    expected = [want[i][1][0].norm() for i in (0, 2, 4)]
+    torch.testing.assert_close(torch.stack(norms), torch.stack(expected))
+
+
+def test_backward_hook_is_called_once_per_call_and_not_without_grad():
+    lin, calls = nn.Linear(3, 3), []
+    with Hook(lin, lambda m, gi, go: calls.append(go[0].shape), is_forward=False):
+        with torch.no_grad():
+            lin(torch.randn(2, 3))
+        y = lin(lin(torch.randn(2, 3)))  # twice in one graph
+        y.sum().backward()
+    assert calls == [torch.Size([2, 3])] * 2
