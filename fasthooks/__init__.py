@@ -1,7 +1,15 @@
 """fasthooks: fastai v1's hooks API for any PyTorch model, with fused activation statistics."""
 
 from ._version import __version__
-from .hook import Hook, HookCallback, Hooks, hook_output, hook_outputs
+from .hook import (
+    Hook,
+    HookCallback,
+    Hooks,
+    hook_output,
+    hook_outputs,
+    modules_with_own_params,
+    unwrap_compiled,
+)
 from .ops import extension_available, extension_error
 from .plot import plot_stats
 from .sizes import (
@@ -34,8 +42,10 @@ __all__ = [
     "in_channels",
     "model_sizes",
     "model_summary",
+    "modules_with_own_params",
     "num_features_model",
     "params_size",
     "plot_stats",
     "total_params",
+    "unwrap_compiled",
 ]

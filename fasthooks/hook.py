@@ -235,13 +235,28 @@ def hook_outputs(modules: Iterable[nn.Module], detach: bool = True, grad: bool =
     return Hooks(modules, _keep_grad_output if grad else _keep_output, not grad, detach)
 
 
-def leaf_modules_with_params(model: nn.Module) -> list[nn.Module]:
-    """Every leaf module of `model` that has parameters, in the order of `model.modules()`."""
+def modules_with_own_params(model: nn.Module) -> list[nn.Module]:
+    """Every module of `model` that holds parameters of its own (not only through children), in
+    the order of `model.modules()`: the leaf layers, and layers such as timm's norm-and-activation
+    layers (`BatchNormAct2d`: a batch norm's parameters, and act and drop children). The model
+    itself only when it is a leaf: its output is its last layer's.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> [type(m).__name__ for m in modules_with_own_params(model)]
+        ['Linear', 'Linear']
+    """
     return [
         m
         for m in model.modules()
-        if not any(True for _ in m.children()) and any(True for _ in m.parameters(recurse=False))
+        if any(_layer_parameter(p) for p in m.parameters(recurse=False))
+        and (m is not model or not any(True for _ in m.children()))
     ]
+
+
+def _layer_parameter(p: nn.Parameter) -> bool:
+    # FSDP1 moves every parameter of a wrapped model into one flat parameter: no layer's own.
+    return not getattr(p, "_is_flat_param", False)
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:
@@ -273,15 +288,16 @@ class HookCallback:
     """Registers `self.hook(m, input, output)` on `modules` for the length of training.
 
     Subclasses define `hook`; it sees detached tensors unless the subclass sets
-    `detach = False`. With `is_forward=False` it is a backward hook (see `Hook`): `hook(m, grad_input,
-    grad_output)`. The lifecycle keeps fastai v1's names (`on_train_begin`, `on_batch_end`,
-    `on_train_end`); in a plain loop use it as a context manager.
+    `detach = False`. With `is_forward=False` it is a backward hook (see `Hook`):
+    `hook(m, grad_input, grad_output)`. The lifecycle keeps fastai v1's names
+    (`on_train_begin`, `on_batch_end`, `on_train_end`); in a plain loop use it as a context
+    manager.
 
     Args:
         model: the `nn.Module` to watch, or any object with one at `.model` (a learner); a
             `torch.compile` wrapper stands for the module it compiled.
-        modules: the modules to hook (a single module, or an iterable); default: every leaf
-            module with parameters, in `model.modules()` order.
+        modules: the modules to hook (a single module, or an iterable); default: every module
+            with parameters of its own (`modules_with_own_params`), in `model.modules()` order.
         do_remove: remove the hooks at `on_train_end` (default True).
         is_forward: forward hooks (default) or backward hooks (see `Hook`).
 
@@ -328,8 +344,8 @@ class HookCallback:
         return self.is_forward
 
     def resolve_modules(self) -> list[nn.Module]:
-        """The modules to hook, checked: those given, else every leaf module with parameters."""
-        modules = self.modules if self.modules is not None else leaf_modules_with_params(self.model)
+        """The modules to hook, checked: those given, else `modules_with_own_params(model)`."""
+        modules = self.modules if self.modules is not None else modules_with_own_params(self.model)
         self.modules = [_check_module(m, f"modules[{i}]") for i, m in enumerate(modules)]
         return self.modules
 

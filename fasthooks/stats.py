@@ -121,8 +121,8 @@ class ActivationStats(HookCallback):
 
     Args:
         model: the `nn.Module` to watch, or any object with one at `.model` (a learner).
-        modules: the modules to hook (a single module, or an iterable); default: every leaf
-            module with parameters, in `model.modules()` order.
+        modules: the modules to hook (a single module, or an iterable); default: every module
+            with parameters of its own (`modules_with_own_params`), in `model.modules()` order.
         do_remove: remove the hooks at `on_train_end` (default True).
         backend: "auto" (the fused operator when built, else "python"), "fused" or "python".
         expected_batches: columns allocated up front (default 64); more double the buffers.
@@ -210,8 +210,8 @@ class ActivationStats(HookCallback):
         modules = self.resolve_modules()
         if not modules:
             warnings.warn(
-                f"ActivationStats: nothing to hook in {type(self.model).__name__}: it has no leaf "
-                "module with parameters of its own (FSDP1's flat parameters, say); pass modules=",
+                f"ActivationStats: nothing to hook in {type(self.model).__name__}: no module below "
+                "it has parameters of its own (FSDP1's flat parameters, say); pass modules=",
                 RuntimeWarning,
                 stacklevel=2,
             )

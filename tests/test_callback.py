@@ -97,3 +97,24 @@ def test_base_class_hook_must_be_defined():
         HookCallback(model),
     ):
         model(torch.randn(1, 2))
+
+
+class NormAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d in miniature: a batch norm's own parameters, and an act child."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(super().forward(x))
+
+
+def test_default_modules_include_layers_with_parameters_and_children():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), NormAct(2), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+    cb = RecordShapes(model)
+    cb.on_train_begin()
+    assert cb.modules == [model[0], model[1], model[3]]
+    cb.on_train_end()
+    assert RecordShapes(model[1]).resolve_modules() == []  # the model itself, not a leaf
+    assert RecordShapes(nn.Linear(2, 2)).resolve_modules()[0].in_features == 2
