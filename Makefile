@@ -22,7 +22,7 @@ CUDA_ARCHS ?= 8.0;9.0
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor-cache
 export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 
-.PHONY: setup build install demo test test-cpu test-cuda-build test-wheel wheel lint bench bench-train bench-quick bench-cpu bench-abi clean
+.PHONY: setup build install demo test test-quick test-cpu test-isa test-cuda-build test-wheel wheel lint bench bench-train bench-quick bench-cpu bench-abi clean
 
 $(VENV)/.ready: Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,19 @@ test-cpu: build
 	FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_FRAMEWORKS=1 \
 		$(VENV)/bin/python -m pytest --doctest-modules fasthooks tests
 
+# The edit-and-test loop: lint, then the suite without its large tensors, subprocess-heavy
+# checks and framework runs (a few minutes at most).
+test-quick: lint build
+	$(VENV)/bin/python -m pytest -q -x -m "not slow" --doctest-modules fasthooks tests \
+		--ignore-glob='tests/test_integration_*' --ignore=tests/test_readme_examples.py \
+		--ignore=tests/test_benchmarks.py --ignore=tests/test_distributed.py
+
+# The CPU kernel tests natively and under qemu-user as CPUs without AVX-512 (Haswell) and
+# without AVX (Nehalem), each checked to pick its kernel build (installs qemu-user if missing).
+test-isa: build
+	bash tests/install_qemu.sh
+	$(VENV)/bin/python tests/isa_matrix.py
+
 $(CUDA_VENV)/.ready: Makefile
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) numpy pytest hypothesis ninja \
@@ -83,7 +96,7 @@ test-wheel: wheel $(CUDA_VENV)/.ready
 	PYTHONPATH=$(WHEEL_CHECK) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_WHEEL_DIR=$(WHEEL_CHECK) \
 		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU:torch==%=%) $(CUDA_VENV)/bin/pytest -p no:cacheprovider
 
-test: lint test-cpu test-wheel test-cuda-build
+test: lint test-cpu test-isa test-wheel test-cuda-build
 
 bench: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/op_throughput.py --out results/op_throughput
