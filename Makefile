@@ -15,6 +15,9 @@ PIP_QUIET := -q --disable-pip-version-check
 FRAMEWORKS := lightning==2.6.6 transformers==5.24.0 accelerate==1.16.0
 FASTAI := fastai==2.8.12
 FASTAI_DEPS := fastcore fastdownload fastprogress fasttransform plum-dispatch requests cloudpickle
+# Real architectures for the model-zoo test, beside the CUDA build's torch 2.14.1: timm needs
+# torchvision, and PyPI's torchvision does not import beside torch 2.13.0.
+MODEL_ZOO := torchvision==0.29.1 timm==1.0.31 transformers==5.24.0
 # Drop pip's notes about unreachable local index folders; keep everything else it says.
 PIP_FILTER := { grep -v "is neither a file nor a directory" || true; }
 CUDA_ARCHS ?= 8.0;9.0
@@ -70,7 +73,7 @@ test-isa: build
 $(CUDA_VENV)/.ready: Makefile
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) numpy pytest hypothesis ninja \
-		setuptools wheel \
+		setuptools wheel $(MODEL_ZOO) \
 		2>&1 | $(PIP_FILTER)
 	touch $@
 
