@@ -189,6 +189,7 @@ class ActivationStats(HookCallback):
         self._host = _host_copies()
         self._num_batches = 0
         self._resume: dict[str, Any] | None = None
+        self._leaving_on_error = False
         self._start_sampling()
 
     def _start_sampling(self) -> None:
@@ -337,7 +338,7 @@ class ActivationStats(HookCallback):
     def on_train_end(self, **kwargs: Any) -> None:
         """Remove the hooks when `do_remove`; warn when statistics were never closed in a batch."""
         super().on_train_end(**kwargs)
-        if self._buffers is not None and self._num_batches == 0:
+        if self._buffers is not None and self._num_batches == 0 and not self._leaving_on_error:
             column = self._buffers.state[COUNT].index_select(1, self._buffers.cursor.reshape(1))
             if bool(column.any()):
                 warnings.warn(
@@ -346,6 +347,14 @@ class ActivationStats(HookCallback):
                     RuntimeWarning,
                     stacklevel=2,
                 )
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        # An exception before the first on_batch_end explains the empty run: no warning then.
+        self._leaving_on_error = exc_type is not None
+        try:
+            super().__exit__(exc_type, *rest)
+        finally:
+            self._leaving_on_error = False
 
     def on_batch_end(self, train: bool = True, **kwargs: Any) -> None:
         """Close the batch: a training batch gets its column, any other is forgotten."""

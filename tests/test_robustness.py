@@ -6,6 +6,7 @@ import math
 import os
 import re
 import threading
+import warnings
 from collections import OrderedDict, namedtuple
 
 import numpy as np
@@ -288,3 +289,15 @@ def test_nothing_to_hook_is_said(modules):
         act.on_train_begin()
     act.on_train_end()
     assert act.stats.shape == (2, 0, 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_exception_before_the_first_batch_end_adds_no_warning(backend):
+    model = nn.Sequential(nn.Linear(6, 6))
+    act = ActivationStats(model, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ArithmeticError, match="loss is NaN"), act:
+            model(torch.randn(2, 6))
+            raise ArithmeticError("loss is NaN")
+    assert not model[0]._forward_hooks and act.num_batches == 0
