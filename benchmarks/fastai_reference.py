@@ -10,13 +10,14 @@ import torch
 
 def fastai_v1_hook(m: torch.nn.Module, i: object, o: torch.Tensor) -> tuple[float, float]:
     """fastai v1 ActivationStats.hook (reproduction): two .item() syncs per module per batch."""
+    o = o[0] if isinstance(o, tuple) else o  # attention layers return (output, weights)
     return o.mean().item(), o.std().item()
 
 
 def fastai_v2_hook(m: torch.nn.Module, i: object, o: torch.Tensor) -> dict[str, float]:
     """fastai v2 ActivationStats.hook without histograms (reproduction): activation copied to
     the CPU, then mean, std and near-zero fraction, each with .item()."""
-    o = o.detach().cpu().float()
+    o = (o[0] if isinstance(o, tuple) else o).detach().cpu().float()
     return {
         "mean": o.mean().item(),
         "std": o.std().item(),
