@@ -27,10 +27,12 @@ DEFAULT_CAPACITY = 64
 _MEASURE_ERRORS = (RuntimeError, TypeError, ValueError, NotImplementedError)
 
 
+# A compiled graph recomputes in its own backward, without hooks: traced, this is constant False.
+@torch.compiler.assume_constant_result
 def _recomputing() -> bool:
     """Whether this forward runs inside a backward pass: activation checkpointing recomputing
-    what it did not keep. (A compiled graph recomputes in its own backward, without hooks.)"""
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+    what it did not keep."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class StatisticsError(RuntimeError):
@@ -274,9 +276,9 @@ class ActivationStats(HookCallback):
         # module's: a frozen layer of a training model is recorded.
         if not self._sampled or not self.model.training or (self.skip_frozen and not m.training):
             return
-        x = o if type(o) is torch.Tensor else measured_tensor(o)[0]
         if self.is_forward and _recomputing():
             return  # a checkpoint's recompute: this call's output was recorded in the forward
+        x = o if type(o) is torch.Tensor else measured_tensor(o)[0]
         if not self.is_forward:
             # A hook on the output tensor sees its gradient even when an in-place op follows
             # the module, where a full module backward hook fails.

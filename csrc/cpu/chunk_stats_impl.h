@@ -581,17 +581,25 @@ inline bool spread_underflows(const Stats& b, double count) {
   return b.m2 < count * std::ldexp(1.0, kExponent) && std::isfinite(b.mean);
 }
 
-// The moments of a block whose spread underflows (spread_underflows), summed again with every
-// value multiplied by a power of two that brings the largest deviation from `shift` near 1. The
-// products are exact (no scaled value leaves the normal range) and so are their differences, so
-// the scaled sums are those of exact deviations; the moments are scaled back in double.
+// The largest distance of a block's values from `shift`: from its extremes where the block pass
+// found them, else by a look at every value.
 template <typename Acc, bool Full>
-inline void rescaled_moments(const Acc* p, int64_t n, Acc shift, Stats& b) {
+inline Acc largest_deviation(const Acc* p, int64_t n, Acc shift, const BlockSums<Acc>& s) {
+  if constexpr (Full) return s.max - shift > shift - s.min ? s.max - shift : shift - s.min;
   Acc largest = 0;
   for (int64_t i = 0; i < n; ++i) {
     const Acc d = p[i] > shift ? p[i] - shift : shift - p[i];
     largest = d > largest ? d : largest;
   }
+  return largest;
+}
+
+// The moments of a block whose spread underflows (spread_underflows), summed again with every
+// value multiplied by a power of two that brings the largest deviation from `shift` near 1. The
+// products are exact (no scaled value leaves the normal range) and so are their differences, so
+// the scaled sums are those of exact deviations; the moments are scaled back in double.
+template <typename Acc, bool Full>
+inline void rescaled_moments(const Acc* p, int64_t n, Acc shift, Acc largest, Stats& b) {
   if (largest == Acc(0)) return;  // constant values: no spread to lose
   const int exponent = -std::ilogb(largest);
   const Acc scale = std::ldexp(Acc(1), exponent);
@@ -627,7 +635,8 @@ inline Stats block_stats(const Acc* p, int64_t n, Acc shift, Acc near_zero,
   moments_from_shifted_sums<Full>(b, count, shift, s.s1, s.s2, s.s3, s.s4);
   const double d = s.s1 / count;
   if (spread_underflows<Acc, Full>(b, count)) {
-    rescaled_moments<Acc, Full>(p, n, finite_or_zero(static_cast<Acc>(b.mean)), b);
+    const Acc mean = finite_or_zero(static_cast<Acc>(b.mean));
+    rescaled_moments<Acc, Full>(p, n, mean, largest_deviation<Acc, Full>(p, n, mean, s), b);
   } else if (4.0 * count * d * d > b.m2 && std::isfinite(b.mean)) {
     shift = finite_or_zero(static_cast<Acc>(b.mean));
     s = block_sums<Acc, Full, HistMode::kNone>(p, n, shift, near_zero, nullptr, nullptr);
