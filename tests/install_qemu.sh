@@ -19,6 +19,10 @@ if [[ "${VERSION_CODENAME:-}" == bookworm ]]; then
 		# The backports suite from the mirror the machine already uses for bookworm itself.
 		mirror=$(grep -rhs -B3 -A3 "bookworm" /etc/apt/sources.list.d/*.sources |
 			awk '/^URIs:/ && $2 !~ /security/ { print $2; exit }')
+		if [[ -z "$mirror" ]]; then
+			echo "install_qemu: no bookworm mirror found in /etc/apt/sources.list.d; qemu-user >= 8 not installed" >&2
+			exit 0
+		fi
 		printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: %s\n' \
 			"$mirror" /usr/share/keyrings/debian-archive-keyring.gpg \
 			>/etc/apt/sources.list.d/bookworm-backports.sources
