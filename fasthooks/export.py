@@ -33,6 +33,15 @@ def long_table(act: ActivationStats) -> Any:
     return pd.DataFrame(columns)
 
 
+# The first part of every metric tag, by what was recorded.
+METRIC_KINDS = {True: "activations", False: "gradients"}
+
+
+def is_metric_tag(tag: str) -> bool:
+    """Whether `tag` names a statistic of `newest_metrics`."""
+    return tag.split("/", 1)[0] in METRIC_KINDS.values()
+
+
 def newest_metrics(act: ActivationStats) -> dict[str, float]:
     """The newest recorded column of every statistic as scalars tagged
     `activations/<module>/<stat>` (`gradients/...` for gradient statistics); empty before the
@@ -40,7 +49,7 @@ def newest_metrics(act: ActivationStats) -> dict[str, float]:
     if act.num_batches == 0:
         return {}
     column = act.num_batches - 1
-    kind = "activations" if act.is_forward else "gradients"
+    kind = METRIC_KINDS[act.is_forward]
     planes = {"mean": act.stats[0], "std": act.stats[1], **act.extra}
     # One conversion per statistic, not one per module and statistic.
     newest = {stat: values[:, column].double().tolist() for stat, values in planes.items()}
@@ -62,7 +71,7 @@ def log_to_tensorboard(act: ActivationStats, writer: Any, step: int | None = Non
     for tag, value in newest_metrics(act).items():
         writer.add_scalar(tag, value, step)
     if act.hist_bins:
-        kind = "activations" if act.is_forward else "gradients"
+        kind = METRIC_KINDS[act.is_forward]
         for m, name in enumerate(act.module_names):
             _add_histogram(writer, f"{kind}/{name}/hist", act, act.hist[m, column], step)
 

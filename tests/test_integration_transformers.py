@@ -155,3 +155,16 @@ def test_a_checkpoint_without_statistics_says_they_start_again(tmp_path):
     with pytest.warns(RuntimeWarning, match="resumes at step 5 but .* is missing"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
     assert callback.activation_stats.num_batches == 5
+
+
+@pytest.mark.parametrize("disable_tqdm", [True, False], ids=["printer", "progress_bar"])
+def test_the_console_line_stays_readable(tmp_path, capsys, disable_tqdm):
+    callback = ActivationStatsCallback(log_every_n_steps=2, extra=["max", "kurtosis"])
+    trainer = _trainer(callback, tmp_path, disable_tqdm=disable_tqdm)
+    trainer.train()
+    printed = capsys.readouterr()
+    lines = [line for line in (printed.out + printed.err).splitlines() if "'loss'" in line]
+    assert lines and all("activations/" not in line and len(line) < 400 for line in lines)
+    assert all("statistics logged" in line for line in lines)
+    tags = [tag for tag in trainer.state.log_history[0] if tag.startswith("activations/")]
+    assert len(tags) == 4 * len(callback.activation_stats.module_names)

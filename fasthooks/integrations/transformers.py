@@ -8,14 +8,17 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..export import is_metric_tag
 from .recorder import FitRecorder, RecordingCallback
 
 # Written into each checkpoint folder, one per process.
@@ -25,6 +28,32 @@ STATE_FILE = "fasthooks_activation_stats_rank{rank}.pt"
 def _state_file(args: TrainingArguments, step: int) -> Path:
     folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
     return folder / STATE_FILE.format(rank=args.process_index)
+
+
+def _console_without_statistics(on_log: Any) -> Any:
+    """A console callback's on_log that prints the logs without the statistics (thousands of
+    characters a line for a few dozen modules), saying how many went to the loggers instead."""
+    if getattr(on_log, "leaves_out_statistics", False):
+        return on_log
+
+    @functools.wraps(on_log)
+    def printed(self, args, state, control, logs=None, **kwargs):
+        if logs:
+            shown = {tag: value for tag, value in logs.items() if not is_metric_tag(tag)}
+            if len(shown) < len(logs):
+                shown["fasthooks"] = f"{len(logs) - len(shown)} statistics logged"
+            logs = shown
+        return on_log(self, args, state, control, logs=logs, **kwargs)
+
+    printed.leaves_out_statistics = True
+    return printed
+
+
+def _keep_console_readable() -> None:
+    # The Trainer hands every callback the same logs: the loggers after this callback need the
+    # statistics, the console printers (the Trainer adds one, last) a line a person can read.
+    for console in (ProgressCallback, PrinterCallback):
+        console.on_log = _console_without_statistics(console.on_log)
 
 
 class ActivationStatsCallback(RecordingCallback, TrainerCallback):
@@ -39,13 +68,15 @@ class ActivationStatsCallback(RecordingCallback, TrainerCallback):
     callback)`). At the end of training, hooks are removed and, when a process group is
     initialised, every rank's statistics are merged (`all_reduce`). The Trainer tells callbacks
     nothing of an exception: run `trainer.train()` inside `with callback:` to remove the hooks
-    then too. Each checkpoint folder gets the statistics so far (`STATE_FILE`), and training
+    then too. The console line the Trainer prints leaves the statistics out and says how many
+    were logged. Each checkpoint folder gets the statistics so far (`STATE_FILE`), and training
     resumed from a checkpoint in `output_dir` continues their columns. The live object is
     `.activation_stats`.
     """
 
     def __init__(self, log_every_n_steps: int | None = None, **kwargs: Any) -> None:
         self._recorder = FitRecorder(kwargs, log_every_n_steps)
+        _keep_console_readable()
         self._pending: tuple[int, dict[str, float]] | None = None
 
     def on_train_begin(
