@@ -3,6 +3,7 @@ its object API: the global backend (a notebook's inline one, say) is never touch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,8 +15,10 @@ if TYPE_CHECKING:
 
     from .stats import ActivationStats
 
-# Readable tick labels at most, however many modules there are.
-MAX_LABELS = 40
+# The least height of a labelled row, in inches (x-small labels are about 0.08 in tall).
+LABEL_ROW_INCHES = 0.11
+# The overview's height in inches: titles and axes, then a row per module, within bounds.
+OVERVIEW_FRAME_INCHES, OVERVIEW_ROW_INCHES = 2.0, 0.16
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -55,35 +58,47 @@ def plot_stats(stats: torch.Tensor, path: str | Path, names: Sequence[str] | Non
 
 
 def _robust_limits(values: torch.Tensor) -> tuple[float, float]:
+    """The colour range: the 1st to 99th percentile of the finite values; for a constant panel,
+    a narrow band around its value (see _constant_colour_bar)."""
     finite = values[torch.isfinite(values)].double()
     if finite.numel() == 0:
         return 0.0, 1.0
     low, high = torch.quantile(finite, torch.tensor([0.01, 0.99], dtype=torch.float64)).tolist()
-    return (low, high) if high > low else (low - 0.5, high + 0.5)
+    if high > low:
+        return low, high
+    pad = max(abs(low) * 1e-3, 1e-12)
+    return low - pad, high + pad
 
 
-def _module_ticks(ax: Any, names: list[str]) -> None:
-    step = max(1, -(-len(names) // MAX_LABELS))
+def _module_ticks(ax: Any, names: list[str], row_inches: float) -> None:
+    step = max(1, math.ceil(LABEL_ROW_INCHES / row_inches))
     ticks = list(range(0, len(names), step))
     ax.set_yticks(ticks, [names[i] for i in ticks], fontsize="x-small")
+    ax.tick_params(labelleft=True)  # on every panel, not only the first of a shared axis
 
 
 def overview(act: ActivationStats, path: str | Path | None = None) -> Figure:
-    """A heat map per statistic over modules (rows, by name) and recorded batches (columns)."""
+    """A heat map per statistic over modules (rows, by name) and recorded batches (columns).
+    Every panel names its rows; a constant panel's colour bar shows its one value; cells
+    without a value (a module that did not run, or NaN) are grey, and the title says so."""
+    from matplotlib import colormaps
+    from matplotlib.ticker import MaxNLocator
+
     planes = {"mean": act.stats[0], "std": act.stats[1], **act.extra}
     names = act.module_names
-    height = min(14.0, max(3.5, 2.0 + 0.16 * len(names)))
-    fig = _figure(1.5 + 3.2 * len(planes), height)
+    height = min(14.0, max(3.5, OVERVIEW_FRAME_INCHES + OVERVIEW_ROW_INCHES * len(names)))
+    row_inches = (height - OVERVIEW_FRAME_INCHES) / max(1, len(names))
+    fig = _figure(1.5 + 3.6 * len(planes), height)
     axes = fig.subplots(1, len(planes), sharey=True, squeeze=False)[0]
     batches = act.batches
     extent = None
     if batches.numel() > 0:
         extent = (batches[0].item() - 0.5, batches[-1].item() + 0.5, len(names) - 0.5, -0.5)
-    from matplotlib import colormaps
-
-    cmap = colormaps["viridis"].with_extremes(bad="lightgrey")  # NaN: the module did not run
+    cmap = colormaps["viridis"].with_extremes(bad="lightgrey")
+    missing = False
     for ax, (stat, values) in zip(axes, planes.items(), strict=True):
         values = values.double()
+        missing |= bool(values.isnan().any())
         low, high = _robust_limits(values)
         image = ax.imshow(
             values.numpy(),
@@ -96,9 +111,15 @@ def overview(act: ActivationStats, path: str | Path | None = None) -> Figure:
         )
         ax.set_title(stat)
         ax.set_xlabel("training batch")
-        fig.colorbar(image, ax=ax, shrink=0.8)
-    _module_ticks(axes[0], names)
-    fig.suptitle(f"{'activation' if act.is_forward else 'gradient'} statistics per module")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        bar = fig.colorbar(image, ax=ax, shrink=0.8)
+        finite = values[values.isfinite()]
+        if finite.numel() and bool((finite == finite[0]).all()):
+            bar.set_ticks([finite[0].item()])  # constant: its value, not a made-up range
+        _module_ticks(ax, names, row_inches)
+    kind = "activation" if act.is_forward else "gradient"
+    note = " (grey: no value, the module did not run or gave NaN)" if missing else ""
+    fig.suptitle(f"{kind} statistics per module{note}")
     return _save(fig, path)
 
 
