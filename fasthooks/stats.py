@@ -35,6 +35,10 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _uncompiled_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 class StatisticsError(RuntimeError):
     """Recording a module's statistics failed; the message names the module."""
 
@@ -409,8 +413,9 @@ class ActivationStats(HookCallback):
     @property
     def module_names(self) -> list[str]:
         """Qualified names of the hooked modules (`"layer1.0.conv1"`), in column order; the
-        model itself is named by its class."""
-        names = {m: name for name, m in self.model.named_modules() if name}
+        model itself is named by its class. A `torch.compile`d part of the model is named as
+        before it was compiled (`"net.0"`, not `"net._orig_mod.0"`)."""
+        names = {m: _uncompiled_name(name) for name, m in self.model.named_modules() if name}
         return [names.get(m, type(m).__name__) for m in self.resolve_modules()]
 
     def module_index(self, module: int | str) -> int:

@@ -104,3 +104,17 @@ def test_with_block_removes_the_hooks_when_training_raises():
 def test_arguments_are_checked_when_the_callback_is_made():
     with pytest.raises(ValueError, match="every must be an int >= 1"):
         ActivationStatsCallback(every=0)
+
+
+def test_a_compiled_model_records_what_eager_records():
+    torch._dynamo.reset()
+    options = {"extra": ("max", "kurtosis"), "hist_bins": 4, "hist_range": (-3.0, 3.0)}
+    callback = ActivationStatsCallback(**options)
+    learn = _learner(cbs=[callback])
+    eager = learn.model
+    learn.model = torch.compile(eager, backend="aot_eager")
+    _fit(learn, epochs=1)
+    act = callback.activation_stats
+    assert act.module_names == ["0", "2"]
+    eager.train()  # fastai leaves it in eval mode after validating
+    assert_same_recording(act, record_steps(eager, _data().tensors[0].split(BATCH), **options))

@@ -197,3 +197,22 @@ def test_ddp_ranks_merge_their_shards_at_fit_end(tmp_path):
         torch.testing.assert_close(merged["stats"], whole.stats, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(merged["max"], whole.extra["max"])
         assert torch.equal(merged["hist"], whole.hist)
+
+
+class CompiledTiny(Tiny):
+    """The usual way to compile in Lightning: the network inside the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.compile(self.net, backend="aot_eager")
+
+
+def test_a_compiled_network_records_what_eager_records():
+    torch._dynamo.reset()
+    options = {"extra": ("max", "kurtosis"), "hist_bins": 4, "hist_range": (-3.0, 3.0)}
+    callback = ActivationStatsCallback(**options)
+    _, module = _fit(callback, module=CompiledTiny(), max_epochs=1)
+    act = callback.activation_stats
+    assert act.module_names == ["net.0", "net.2"]
+    steps = _data().tensors[0].split(BATCH)
+    assert_same_recording(act, record_steps(module.net._orig_mod, steps, **options))

@@ -168,3 +168,21 @@ def test_the_console_line_stays_readable(tmp_path, capsys, disable_tqdm):
     assert all("statistics logged" in line for line in lines)
     tags = [tag for tag in trainer.state.log_history[0] if tag.startswith("activations/")]
     assert len(tags) == 4 * len(callback.activation_stats.module_names)
+
+
+def test_a_compiled_model_is_recorded_like_the_eager_one(tmp_path):
+    torch._dynamo.reset()
+    eager = ActivationStatsCallback(extra=["max"])
+    _trainer(eager, tmp_path / "eager").train()
+    compiled = ActivationStatsCallback(extra=["max"])
+    trainer = _trainer(
+        compiled, tmp_path / "compiled", torch_compile=True, torch_compile_backend="aot_eager"
+    )
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    trainer.train()
+    assert counters["stats"]["unique_graphs"] >= 1  # the Trainer did compile the model
+    act, want = compiled.activation_stats, eager.activation_stats
+    assert act.module_names == want.module_names
+    assert act.num_batches == want.num_batches == trainer.state.global_step
+    assert act.stats.isfinite().all() and act.extra["max"].isfinite().all()
