@@ -64,11 +64,14 @@ test-quick: lint build
 		--ignore-glob='tests/test_integration_*' --ignore=tests/test_readme_examples.py \
 		--ignore=tests/test_benchmarks.py --ignore=tests/test_distributed.py
 
-# The CPU kernel tests natively and under qemu-user as CPUs without AVX-512 (Haswell) and
-# without AVX (Nehalem), each checked to pick its kernel build (installs qemu-user if missing).
+# The CPU kernel tests natively, under qemu-user as CPUs without AVX-512 (Haswell) and without
+# AVX (Nehalem), each checked to pick its kernel build, and on aarch64 (cross-built against
+# torch 2.10.0's aarch64 wheel, run under qemu-aarch64). Installs what it needs where missing.
+AARCH64 := build/aarch64
 test-isa: build
 	bash tests/install_qemu.sh
-	$(VENV)/bin/python tests/isa_matrix.py
+	bash tests/aarch64.sh $(AARCH64) $(VENV)/bin/python
+	$(VENV)/bin/python tests/isa_matrix.py --aarch64 $(AARCH64)
 
 $(CUDA_VENV)/.ready: Makefile
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)

@@ -1,13 +1,16 @@
-"""The CPU kernel tests (marker `isa`) on every x86-64 kernel build this host can exercise:
-natively for the builds its CPU has, and under qemu-user as CPUs that lack the next build's
-instructions (Haswell: AVX2 without AVX-512; Nehalem: no AVX). Each run checks that the CPU
+"""The CPU kernel tests (marker `isa`) on every kernel build this host can exercise: natively for
+the builds its CPU has, under qemu-user as x86-64 CPUs that lack the next build's instructions
+(Haswell: AVX2 without AVX-512; Nehalem: no AVX), and on aarch64. Each run checks that the CPU
 picks the build it must. Prints which builds ran where and which this host could not exercise.
 
-    python tests/isa_matrix.py [pytest arguments]
+    python tests/isa_matrix.py [--aarch64 DIR] [pytest arguments]
+
+With --aarch64, also the aarch64 build that tests/aarch64.sh made in DIR, under qemu-aarch64.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -23,6 +26,7 @@ BUILDS = ("default", "avx2", "avx512", "avx512_gfni")
 EMULATED = {"Haswell": "avx2", "Nehalem": "default"}
 # qemu 7.2 miscomputes some AVX2 code (histogram bins of values on the edges); 10.0 does not.
 MIN_QEMU = 8
+TEST_FILES = ("test_operator.py", "test_extras.py", "test_isa.py")
 
 
 def qemu_major(qemu: str) -> int:
@@ -38,69 +42,83 @@ def native_capability(env: dict[str, str]) -> str:
     return out.stdout.strip()
 
 
-def pytest_command(prefix: list[str], extra: list[str]) -> list[str]:
-    return [
-        *prefix,
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-m",
-        "isa",
-        "-p",
-        "no:cacheprovider",
-        "tests/test_operator.py",
-        "tests/test_extras.py",
-        "tests/test_isa.py",
-        *extra,
-    ]
+def x86_qemu() -> str | None:
+    """qemu-x86_64 where it is recent enough to trust, else None (saying why)."""
+    qemu = shutil.which("qemu-x86_64")
+    if os.uname().machine != "x86_64":
+        print(f"isa matrix: {os.uname().machine} host: no x86-64 emulation")
+        return None
+    if qemu is None:
+        print("isa matrix: qemu-x86_64 not found (qemu-user): emulated CPUs skipped")
+        return None
+    if qemu_major(qemu) < MIN_QEMU:
+        print(
+            f"isa matrix: qemu-user {qemu_major(qemu)} is older than {MIN_QEMU}, whose AVX2 "
+            "emulation miscomputes some kernels: emulated CPUs skipped"
+        )
+        return None
+    return qemu
+
+
+def aarch64_interpreter(build: Path | None) -> list[str] | None:
+    """The aarch64 Python that tests/aarch64.sh unpacked in `build`, under qemu-aarch64."""
+    qemu = shutil.which("qemu-aarch64")
+    if build is None or qemu is None or not (build / "lib" / "fasthooks").is_dir():
+        why = "qemu-aarch64 not found" if build and qemu is None else "no aarch64 build"
+        print(f"isa matrix: aarch64: not exercised ({why}; tests/aarch64.sh makes one)")
+        return None
+    root = build / "root"
+    return [qemu, "-L", str(root), str(root / "usr" / "bin" / "python3.11")]
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--aarch64", type=Path, help="the folder tests/aarch64.sh built into")
+    options, pytest_arguments = parser.parse_known_args()
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     env.pop("FASTHOOKS_CPU_CAPABILITY", None)
     best = native_capability(env)
-    qemu = shutil.which("qemu-x86_64")
-    if os.uname().machine != "x86_64":
-        print(f"isa matrix: {os.uname().machine} host, portable kernels only ({best})")
-        qemu = None
-    elif qemu is None:
-        print("isa matrix: qemu-x86_64 not found (qemu-user): emulated CPUs skipped")
-    elif qemu_major(qemu) < MIN_QEMU:
-        print(
-            f"isa matrix: qemu-user {qemu_major(qemu)} is older than {MIN_QEMU}, whose AVX2 "
-            "emulation miscomputes some kernels: emulated CPUs skipped"
-        )
-        qemu = None
-    # (command prefix, build it must pick, ceiling): emulated CPUs for the builds below the
-    # host's; natively the host's own, and (capped) those it has that no emulated run covers.
+    here = [sys.executable]
+    # name: (interpreter, build it must pick, environment, working folder). Emulated CPUs for
+    # the builds below the host's; natively the host's own, and (capped) those it has that no
+    # emulated run covers; aarch64 with the portable kernels, from its own folder so that the
+    # work tree's x86-64 package stays off its path.
     runs = {}
+    qemu = x86_qemu()
     if qemu:
         for cpu, build in EMULATED.items():
-            runs[f"qemu -cpu {cpu} ({build})"] = ([qemu, "-cpu", cpu], build, "")
+            runs[f"qemu -cpu {cpu} ({build})"] = ([qemu, "-cpu", cpu, *here], build, {}, ROOT)
     for build in BUILDS[: BUILDS.index(best) + 1]:
-        if build == best or all(build != picked for _, picked, _ in runs.values()):
-            runs[f"native ({build})"] = ([], build, build)
+        if build == best or all(build != run[1] for run in runs.values()):
+            runs[f"native ({build})"] = (here, build, {"FASTHOOKS_CPU_CAPABILITY": build}, ROOT)
+    arm = aarch64_interpreter(options.aarch64)
+    if arm is not None:
+        path = os.pathsep.join(str(options.aarch64 / part) for part in ("lib", "site"))
+        arm_env = {"PYTHONPATH": path, "FASTHOOKS_REQUIRE_EXT": "1"}
+        runs["qemu-aarch64 (default)"] = (arm, "default", arm_env, options.aarch64)
+    tests = [str(ROOT / "tests" / name) for name in TEST_FILES]
     # Each run on one thread, all at once: emulation is single-threaded anyway.
     started = {}
-    for name, (prefix, build, ceiling) in runs.items():
-        run_env = {**env, "FASTHOOKS_EXPECT_CPU_CAPABILITY": build, "OMP_NUM_THREADS": "1"}
-        if ceiling:
-            run_env["FASTHOOKS_CPU_CAPABILITY"] = ceiling
-        started[name] = (
-            subprocess.Popen(
-                pytest_command(prefix, sys.argv[1:]),
-                cwd=ROOT,
-                env=run_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            ),
-            time.monotonic(),
+    for name, (interpreter, build, extra_env, folder) in runs.items():
+        command = [*interpreter, "-m", "pytest", "-q", "-m", "isa", "-p", "no:cacheprovider"]
+        run_env = {
+            **env,
+            "FASTHOOKS_EXPECT_CPU_CAPABILITY": build,
+            "OMP_NUM_THREADS": "1",
+            **extra_env,
+        }
+        process = subprocess.Popen(
+            [*command, *tests, *pytest_arguments],
+            cwd=folder,
+            env=run_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
+        started[name] = (process, time.monotonic())
     failed = []
     exercised = set()
     for name, (process, start) in started.items():
@@ -111,16 +129,12 @@ def main() -> int:
         if process.returncode != 0:
             failed.append(name)
             print(output)
-        else:
+        elif not name.startswith("qemu-aarch64"):
             exercised.add(runs[name][1])
     for build in BUILDS:
         if build not in exercised:
-            print(
-                f"isa matrix: {build}: not exercised on this host (its CPU lacks it and "
-                "qemu-user emulates no AVX-512)"
-                if build.startswith("avx512")
-                else f"isa matrix: {build}: not exercised on this host"
-            )
+            why = " (its CPU lacks it and qemu-user emulates no AVX-512)" if "512" in build else ""
+            print(f"isa matrix: x86-64 {build}: not exercised on this host{why}")
     return 1 if failed else 0
 
 

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Builds fasthooks for aarch64 (Graviton, Grace) on an x86-64 Debian host, for the ISA matrix to
+# run under qemu-aarch64: Debian's cross compiler, an aarch64 Python 3.11 from Debian's arm64
+# packages (unpacked, not installed), and torch 2.10.0's aarch64 wheel (a CPU build, and the
+# oldest torch the stable-ABI binary serves) with the packages the tests import. The extension is
+# built by setup.py, as everywhere, with the cross compiler. Everything lands in DIR:
+#   DIR/root  the aarch64 Python      DIR/site  torch and the test packages
+#   DIR/lib   fasthooks with its aarch64 _C
+# Without root, apt-get or an x86-64 host it says so and builds nothing.
+#
+#     bash tests/aarch64.sh DIR PYTHON    (PYTHON: the host interpreter with torch, for setup.py)
+set -euo pipefail
+dir=$(realpath -m "$1")
+python=$2
+repo=$(cd "$(dirname "$0")/.." && pwd)
+say() { echo "aarch64: $*" >&2; }
+
+if [[ $(uname -m) != x86_64 ]] || [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
+	say "needs an x86-64 host with root and apt-get; not built"
+	exit 0
+fi
+# Python's runtime and what its standard library loads.
+packages=(python3.11-minimal libpython3.11-minimal libpython3.11-stdlib libpython3.11-dev libc6
+	zlib1g libexpat1 libffi8 libssl3 libbz2-1.0 liblzma5 libsqlite3-0 libstdc++6 libgcc-s1 libgomp1
+	libuuid1 libncursesw6 libtinfo6 libreadline8 libdb5.3 libcrypt1 libnsl2 libtirpc3
+	libgssapi-krb5-2 libkrb5-3 libk5crypto3 libcom-err2 libkrb5support0 libkeyutils1)
+test_packages=(filelock typing-extensions sympy mpmath networkx jinja2 markupsafe fsspec numpy
+	pytest iniconfig pluggy packaging pygments)
+
+if [[ ! -f "$dir/root/.ready" ]]; then
+	if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+		dpkg --add-architecture arm64
+	fi
+	say "installing the cross compiler and unpacking Debian's arm64 Python"
+	apt-get update -q >/dev/null
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++-aarch64-linux-gnu >/dev/null
+	rm -rf "$dir/debs" "$dir/root" && mkdir -p "$dir/debs" "$dir/root"
+	(cd "$dir/debs" && apt-get download -q "${packages[@]/%/:arm64}" >/dev/null)
+	for deb in "$dir"/debs/*.deb; do dpkg -x "$deb" "$dir/root"; done
+	touch "$dir/root/.ready"
+fi
+if [[ ! -f "$dir/site/.ready" ]]; then
+	say "installing torch 2.10.0 (aarch64, CPU) and the test packages"
+	rm -rf "$dir/site"
+	"$python" -m pip install -q --disable-pip-version-check --target "$dir/site" --no-deps \
+		--only-binary=:all: --implementation cp --python-version 3.11 \
+		--platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 \
+		torch==2.10.0 "${test_packages[@]}" 2>&1 | { grep -v "is neither a file nor a directory" || true; }
+	touch "$dir/site/.ready"
+fi
+
+say "building the extension with aarch64-linux-gnu-g++"
+rm -rf "$dir/lib"
+(cd "$repo" && CC=aarch64-linux-gnu-gcc CXX=aarch64-linux-gnu-g++ \
+	LDSHARED="aarch64-linux-gnu-g++ -shared" FASTHOOKS_NO_CUDA=1 \
+	CFLAGS="-I$dir/root/usr/include/aarch64-linux-gnu/python3.11" LDFLAGS="-L$dir/site/torch/lib" \
+	"$python" setup.py -q build_ext --build-lib "$dir/lib" --build-temp "$dir/tmp" 2>&1 |
+	{ grep -v '^\[' || true; })
+"$python" -c "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2], dirs_exist_ok=True,
+    ignore=shutil.ignore_patterns('*.so', '__pycache__'))" "$repo/fasthooks" "$dir/lib/fasthooks"
+# e_machine of the ELF header: 183 is AArch64.
+"$python" -c "import sys; sys.exit(open(sys.argv[1], 'rb').read(20)[18] != 183)" \
+	"$dir"/lib/fasthooks/_C*.so || {
+	say "the extension built is not an aarch64 library"
+	exit 1
+}
+say "built $(basename "$dir"/lib/fasthooks/_C*.so) for aarch64 against torch 2.10.0"
