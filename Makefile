@@ -12,12 +12,13 @@ TORCH_CUDA := torch==2.14.1
 PIP_QUIET := -q --disable-pip-version-check
 # The training frameworks that the integration tests drive. fastai's Learner and callbacks need
 # none of torchvision or spacy, which its own requirements would pull (with another torch).
-FRAMEWORKS := lightning==2.6.6 transformers==5.24.0 accelerate==1.16.0
+TRANSFORMERS := transformers==5.24.0 accelerate==1.16.0
+FRAMEWORKS := lightning==2.6.6 $(TRANSFORMERS)
 FASTAI := fastai==2.8.12
 FASTAI_DEPS := fastcore fastdownload fastprogress fasttransform plum-dispatch requests cloudpickle
 # Real architectures for the model-zoo test, beside the CUDA build's torch 2.14.1: timm needs
 # torchvision, and PyPI's torchvision does not import beside torch 2.13.0.
-MODEL_ZOO := torchvision==0.29.1 timm==1.0.31 transformers==5.24.0
+MODEL_ZOO := torchvision==0.29.1 timm==1.0.31 $(TRANSFORMERS)
 # Drop pip's notes about unreachable local index folders; keep everything else it says.
 PIP_FILTER := { grep -v "is neither a file nor a directory" || true; }
 CUDA_ARCHS ?= 8.0;9.0

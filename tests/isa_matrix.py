@@ -75,6 +75,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--aarch64", type=Path, help="the folder tests/aarch64.sh built into")
     options, pytest_arguments = parser.parse_known_args()
+    aarch64 = options.aarch64.resolve() if options.aarch64 else None
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -94,11 +95,11 @@ def main() -> int:
     for build in BUILDS[: BUILDS.index(best) + 1]:
         if build == best or all(build != run[1] for run in runs.values()):
             runs[f"native ({build})"] = (here, build, {"FASTHOOKS_CPU_CAPABILITY": build}, ROOT)
-    arm = aarch64_interpreter(options.aarch64)
+    arm = aarch64_interpreter(aarch64)
     if arm is not None:
-        path = os.pathsep.join(str(options.aarch64 / part) for part in ("lib", "site"))
+        path = os.pathsep.join(str(aarch64 / part) for part in ("lib", "site"))
         arm_env = {"PYTHONPATH": path, "FASTHOOKS_REQUIRE_EXT": "1"}
-        runs["qemu-aarch64 (default)"] = (arm, "default", arm_env, options.aarch64)
+        runs["qemu-aarch64 (default)"] = (arm, "default", arm_env, aarch64)
     tests = [str(ROOT / "tests" / name) for name in TEST_FILES]
     # Each run on one thread, all at once: emulation is single-threaded anyway.
     started = {}
