@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <limits>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -138,6 +139,14 @@ bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& s
                     "accumulate_stats: hist_min and hist_max must be finite with hist_min < "
                     "hist_max, got ",
                     hist_min, " and ", hist_max);
+    // Values of a reduced-precision input are binned in float: its range must hold the edges.
+    constexpr double kFloatMax = std::numeric_limits<float>::max();
+    FASTHOOKS_CHECK(dtype == ScalarType::Double ||
+                        (std::fabs(hist_min) <= kFloatMax && std::fabs(hist_max) <= kFloatMax &&
+                         hist_max - hist_min <= kFloatMax),
+                    "accumulate_stats: hist_min and hist_max must lie within float32's range "
+                    "and at most ", kFloatMax, " apart for ", dtype, " input, got ", hist_min,
+                    " and ", hist_max);
     FASTHOOKS_CHECK(bins_resolvable(hist.size(2), hist_min, hist_max),
                     "accumulate_stats: ", hist.size(2), " bins over [", hist_min, ", ", hist_max,
                     "] are narrower than 2^-16 of the range's magnitude");

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace fasthooks {
 
@@ -55,6 +56,17 @@ C10_HOST_DEVICE inline void moments_from_shifted_sums(Stats& s, double count, do
     const double m4 = s4 - 4.0 * d * s3 + 6.0 * d * d * s2 - 3.0 * count * d * d * d * d;
     s.m4 = m4 < 0.0 ? 0.0 : m4;
   }
+}
+
+// Whether the powers of a set's deviations from its mean leave the normal range of Acc, the type
+// they are summed in: a spread this small puts the 4th powers (or, for mean and std only, the
+// squares) within 2^24 of the smallest normal number, where they lose their digits and then
+// underflow (a float gradient of 1e-11 has 4th powers near 1e-44).
+template <typename Acc, bool Full>
+C10_HOST_DEVICE inline bool spread_underflows(const Stats& s, double count) {
+  constexpr int kPower = Full ? 4 : 2;
+  constexpr int kExponent = (std::numeric_limits<Acc>::min_exponent + 24) * 2 / kPower;
+  return s.m2 < count * ldexp(1.0, kExponent) && s.mean - s.mean == 0.0;
 }
 
 // Pairwise combination of central moments up to the 4th (Chan; Pebay for m3 and m4), extremes

@@ -24,9 +24,15 @@ STATS_PLANES = ("mean", "std")
 EXTRA_PLANES = ("min", "max", "near_zero", "kurtosis")
 # A CUDA block keeps its histogram and the bin edges in shared memory: this many fit on any GPU.
 MAX_HIST_BINS = 2048
-# CUDA kernels keep per-block partial results here: the state planes of each of up to 4096
-# blocks, and the counter of finished blocks.
-CUDA_WORKSPACE_DOUBLES = len(STATE_PLANES) * 4096 + 1
+# The CUDA kernels' workspace (csrc/cuda/accumulate_kernel.cuh): per-block partial results (the
+# state planes of up to CUDA_MAX_BLOCKS blocks) in one region for each stream a run's hooks are
+# called from, up to CUDA_WORKSPACE_REGIONS; each region's finished-blocks counter; and the count
+# of calls dropped because the cursor was past the buffers' capacity (a CUDA graph replayed past
+# `expected_batches`), read back as CUDA_DROPPED_CALLS.
+CUDA_MAX_BLOCKS = 2048
+CUDA_WORKSPACE_REGIONS = 8
+CUDA_WORKSPACE_DOUBLES = CUDA_WORKSPACE_REGIONS * (len(STATE_PLANES) * CUDA_MAX_BLOCKS + 1) + 1
+CUDA_DROPPED_CALLS = CUDA_WORKSPACE_DOUBLES - 1
 
 COUNT, MEAN, M2, M3, M4, MIN, MAX, NEAR_ZERO, NONFINITE = range(len(STATE_PLANES))
 

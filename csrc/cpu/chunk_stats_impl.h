@@ -570,17 +570,6 @@ inline void moments_in_double(const Acc* p, int64_t n, Stats& b) {
   moments_from_shifted_sums<Full>(b, static_cast<double>(n), mean, s1, s2, s3, s4);
 }
 
-// Whether the powers of a block's deviations from its mean leave the working precision's normal
-// range: a spread this small puts the 4th powers (or, for mean and std only, the squares) within
-// 2^24 of the smallest normal number, where they lose their digits and then underflow (a float
-// gradient of 1e-11 has 4th powers near 1e-44).
-template <typename Acc, bool Full>
-inline bool spread_underflows(const Stats& b, double count) {
-  constexpr int kPower = Full ? 4 : 2;
-  constexpr int kExponent = (std::numeric_limits<Acc>::min_exponent + 24) * 2 / kPower;
-  return b.m2 < count * std::ldexp(1.0, kExponent) && std::isfinite(b.mean);
-}
-
 // The largest distance of a block's values from `shift`: from its extremes where the block pass
 // found them, else by a look at every value.
 template <typename Acc, bool Full>

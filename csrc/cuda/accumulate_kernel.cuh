@@ -1,0 +1,429 @@
+// Device code of fasthooks::accumulate_stats on CUDA, the workspace it uses and how a call is cut
+// into blocks. nvcc compiles it for accumulate_cuda.cu; tests/cuda_on_cpu/ compiles the same file
+// for the host against an emulation of the device API and runs it on the CPU. So it holds no
+// host runtime call: what needs a device (streams, occupancy, launches) is in accumulate_cuda.cu.
+//
+// Every thread keeps central moments, extremes and counts of a grid-stride range, summing powers
+// of (x - its running mean) segment by segment; blocks merge them into partials in the
+// workspace, and the last block to finish merges those in block order (so the result is
+// deterministic), merges them into the state slot at the device-side cursor, writes the
+// finalised statistics and resets the finished-blocks counter for the next call. Histograms are
+// counted per block in shared memory, with one atomic per group of lanes that share a bin, and
+// added to the slot's row at the end of the block.
+#pragma once
+
+#include <torch/headeronly/macros/Macros.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
+
+#include <cstdint>
+
+#include "../histogram.h"
+#include "../stats.h"
+
+// The block's dynamic shared memory; the emulation defines its own before including this file.
+#ifndef FASTHOOKS_DYNAMIC_SHARED
+#define FASTHOOKS_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+namespace fasthooks {
+namespace cuda {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+// Resident blocks per multiprocessor the kernels are compiled for (__launch_bounds__): at most
+// 65536 / (3 * 256) = 85 registers a thread.
+constexpr int kMinBlocksPerSM = 3;
+constexpr int kVecBytes = 16;
+// Loads a thread issues before it uses the first of them.
+constexpr int kLoadsInFlight = 2;
+// Per-block partial results: one Stats, as the state planes.
+constexpr int64_t kPartials = kFullPlanes;
+// Shared memory is sized for the most bins fasthooks/layout.py allows.
+constexpr int64_t kMaxBins = 2048;
+// Loads of a thread summed around one shift before they merge into its moments in double.
+constexpr int kSegmentLoads = 16;
+
+// The workspace (fasthooks/layout.py mirrors it): kRegions regions of kMaxBlocks partials each,
+// then one finished-blocks counter per region (in a double's place), then the count of calls that
+// found the cursor past the buffers' capacity. Calls that may run at the same time (on different
+// streams, or a captured graph beside eager calls) are given different regions by the host.
+constexpr int64_t kMaxBlocks = 2048;
+constexpr int64_t kRegions = 8;
+constexpr int64_t kRegionDoubles = kPartials * kMaxBlocks;
+constexpr int64_t kCountersAt = kRegions * kRegionDoubles;
+constexpr int64_t kDroppedAt = kCountersAt + kRegions;
+constexpr int64_t kWorkspaceDoubles = kDroppedAt + 1;
+
+template <typename T, int Width>
+struct alignas(Width * sizeof(T)) Load {
+  T val[Width];
+};
+
+// Half and bfloat16 values are summed in float, as torch's own reductions do.
+template <typename T>
+struct Accumulator {
+  using type = float;
+};
+template <>
+struct Accumulator<double> {
+  using type = double;
+};
+
+struct Buffers {
+  double* state;
+  float* stats;
+  float* extra;
+  int64_t* hist;
+  const int64_t* cursor;
+  double* partials;  // the call's region
+  unsigned int* finished;
+  unsigned long long* dropped;
+  int64_t slot;
+  int64_t modules;
+  int64_t capacity;
+  int64_t bins;
+  double near_zero;
+  double hist_min;
+  double hist_max;
+};
+
+// The kernel's view of a run's buffers, for a call that uses workspace region `region`.
+inline Buffers buffers_for(double* state, float* stats, float* extra, int64_t* hist,
+                           const int64_t* cursor, double* workspace, int64_t region, int64_t slot,
+                           int64_t modules, int64_t capacity, int64_t bins, double near_zero,
+                           double hist_min, double hist_max) {
+  Buffers b{};
+  b.state = state;
+  b.stats = stats;
+  b.extra = extra;
+  b.hist = hist;
+  b.cursor = cursor;
+  b.partials = workspace + region * kRegionDoubles;
+  b.finished = reinterpret_cast<unsigned int*>(workspace + kCountersAt + region);
+  b.dropped = reinterpret_cast<unsigned long long*>(workspace + kDroppedAt);
+  b.slot = slot;
+  b.modules = modules;
+  b.capacity = capacity;
+  b.bins = bins;
+  b.near_zero = near_zero;
+  b.hist_min = hist_min;
+  b.hist_max = hist_max;
+  return b;
+}
+
+// How a call of n values at x is cut: `head` scalar values up to the first 16-byte boundary,
+// then 16-byte vectors, then the scalar rest; `blocks` blocks of kThreads threads, at most
+// `resident` (the grid-stride loops cover the rest).
+struct LaunchPlan {
+  int64_t head;
+  int64_t blocks;
+};
+
+template <typename T>
+LaunchPlan plan_launch(const T* x, int64_t n, int64_t resident) {
+  constexpr int64_t kVec = kVecBytes / sizeof(T);
+  const auto misalignment = static_cast<int64_t>(reinterpret_cast<uintptr_t>(x) % kVecBytes);
+  // Values that do not sit on their own size's boundary never reach a vector boundary.
+  int64_t head = misalignment % static_cast<int64_t>(sizeof(T)) != 0
+                     ? n
+                     : (kVecBytes - misalignment) % kVecBytes / static_cast<int64_t>(sizeof(T));
+  head = head < n ? head : n;
+  const int64_t per_block = kThreads * kVec;
+  int64_t blocks = (n + per_block - 1) / per_block;
+  blocks = blocks < resident ? blocks : resident;
+  blocks = blocks < kMaxBlocks ? blocks : kMaxBlocks;
+  return {head, blocks};
+}
+
+template <bool Full>
+__device__ Stats shuffle_down(const Stats& s, int offset) {
+  constexpr int fields = Full ? kFullPlanes : kBasicPlanes;
+  double v[kFullPlanes];
+  store_state<Full>(v, 1, s);
+  for (int f = 0; f < fields; ++f) v[f] = __shfl_down_sync(0xffffffffu, v[f], offset);
+  return load_state<Full>(v, 1);
+}
+
+// Merges s over the block in a fixed order; the result is valid in thread 0.
+template <bool Full>
+__device__ void block_reduce(Stats& s) {
+  __shared__ double shared[kWarps][kFullPlanes];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const Stats other = shuffle_down<Full>(s, offset);
+    s = merge<Full>(s, other);
+  }
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  __syncthreads();  // the shared array may still be read by an earlier call
+  if (lane == 0) store_state<Full>(shared[warp], 1, s);
+  __syncthreads();
+  if (warp == 0) {
+    s = lane < kWarps ? load_state<Full>(shared[lane], 1) : Stats{};
+    for (int offset = kWarps / 2; offset > 0; offset /= 2) {
+      const Stats other = shuffle_down<Full>(s, offset);
+      if (lane + offset < kWarps) s = merge<Full>(s, other);
+    }
+  }
+}
+
+// Extremes and counts of a thread's values; NaN is flagged rather than compared.
+template <typename Acc>
+struct Extremes {
+  Acc min = static_cast<Acc>(INFINITY);
+  Acc max = static_cast<Acc>(-INFINITY);
+  bool nan = false;
+  int64_t near_zero = 0;
+  int64_t nonfinite = 0;
+};
+
+template <typename Acc>
+__device__ Acc finite_or_zero(Acc v) {
+  return v - v == Acc(0) ? v : Acc(0);  // an infinite or NaN shift would poison every value
+}
+
+// Counts v's bin in the block's shared histogram: lanes that share a bin add once, together.
+template <typename Acc>
+__device__ void count_bin(Acc v, const BinTable<Acc>& table, unsigned int* hist) {
+  const int64_t bin = bin_of(v, table);
+  const unsigned int peers = __match_any_sync(__activemask(), static_cast<int>(bin));
+  if ((threadIdx.x % 32) == __ffs(peers) - 1 && bin < table.bins) {
+    atomicAdd(hist + bin, static_cast<unsigned int>(__popc(peers)));
+  }
+}
+
+// The mean of one load, the first shift of a thread: within about a standard deviation of the
+// data unless the data are adversarial, which the far-shift check below catches.
+template <typename Acc, typename T, int Width>
+__device__ Acc load_mean(const Load<T, Width>& v) {
+  Acc sum = 0;
+  for (int k = 0; k < Width; ++k) sum += static_cast<Acc>(v.val[k]);
+  return finite_or_zero(sum / Width);
+}
+
+// Moments of one segment's values (loads begin, begin + step, ... before end) in double, around
+// their own mean: for a segment whose float sums overflowed or underflowed, or whose shift
+// proved far from its mean.
+template <typename Acc, bool Full, typename T, int Width>
+__device__ Stats segment_in_double(const Load<T, Width>* x, int64_t begin, int64_t end,
+                                   int64_t step) {
+  double sum = 0.0, count = 0.0;
+  for (int64_t i = begin; i < end; i += step) {
+    const Load<T, Width> v = x[i];
+    for (int k = 0; k < Width; ++k) sum += static_cast<double>(static_cast<Acc>(v.val[k]));
+    count += Width;
+  }
+  Stats s;
+  s.count = count;
+  s.mean = sum / count;  // kept as is: an infinite mean stays infinite
+  for (int64_t i = begin; i < end; i += step) {
+    const Load<T, Width> v = x[i];
+    for (int k = 0; k < Width; ++k) {
+      const double d = static_cast<double>(static_cast<Acc>(v.val[k])) - s.mean;
+      s.m2 += d * d;
+      if constexpr (Full) {
+        s.m3 += d * d * d;
+        s.m4 += d * d * d * d;
+      }
+    }
+  }
+  return s;
+}
+
+// Working-precision power sums of one segment around its shift.
+struct SegmentSums {
+  double s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0, count = 0.0;
+};
+
+// Adds one load's values to the segment's sums, extremes, counts and histogram.
+template <typename Acc, bool Full, bool Hist, typename T, int Width>
+__device__ void add_load(const Load<T, Width>& v, Acc shift, Acc near_zero,
+                         const BinTable<Acc>& table, unsigned int* hist, SegmentSums& sums,
+                         Extremes<Acc>& e) {
+  Acc a1 = 0, a2 = 0, a3 = 0, a4 = 0;
+#pragma unroll
+  for (int k = 0; k < Width; ++k) {
+    const Acc value = static_cast<Acc>(v.val[k]);
+    const Acc d = value - shift;
+    const Acc d2 = d * d;
+    a1 += d;
+    a2 += d2;
+    if constexpr (Full) {
+      a3 += d2 * d;
+      a4 += d2 * d2;
+      e.min = fmin(e.min, value);  // NaN is ignored here and flagged instead
+      e.max = fmax(e.max, value);
+      e.nan |= value != value;
+      e.near_zero += value <= near_zero;
+      e.nonfinite += !(value - value == Acc(0));
+    }
+    if constexpr (Hist) count_bin(value, table, hist);
+  }
+  sums.s1 += a1;
+  sums.s2 += a2;
+  sums.s3 += a3;
+  sums.s4 += a4;
+  sums.count += Width;
+}
+
+// A thread's share of `loads` loads of Width values: loads first, first + step, ... Each segment
+// of kSegmentLoads is summed in working precision around the thread's running mean (at first,
+// the mean of its first load), kLoadsInFlight loads at a time, and merged into `moments` in
+// double, so no choice of first values spoils the rest; extremes, counts and the histogram are
+// taken on the way.
+template <typename Acc, bool Full, bool Hist, typename T, int Width>
+__device__ void thread_pass(const Load<T, Width>* x, int64_t loads, int64_t first, int64_t step,
+                            Acc near_zero, const BinTable<Acc>& table, unsigned int* hist,
+                            Stats& moments, Extremes<Acc>& e) {
+  for (int64_t begin = first; begin < loads; begin += kSegmentLoads * step) {
+    const Acc shift = moments.count > 0.0 ? finite_or_zero(static_cast<Acc>(moments.mean))
+                                          : load_mean<Acc>(x[begin]);
+    const int64_t rest = (loads - begin + step - 1) / step;
+    const int64_t end = begin + (rest < kSegmentLoads ? rest : kSegmentLoads) * step;
+    SegmentSums sums;
+    for (int64_t i = begin; i < end; i += kLoadsInFlight * step) {
+      Load<T, Width> v[kLoadsInFlight];
+#pragma unroll
+      for (int u = 0; u < kLoadsInFlight; ++u) {
+        if (i + u * step < end) v[u] = x[i + u * step];
+      }
+#pragma unroll
+      for (int u = 0; u < kLoadsInFlight; ++u) {
+        if (i + u * step < end) {
+          add_load<Acc, Full, Hist>(v[u], shift, near_zero, table, hist, sums, e);
+        }
+      }
+    }
+    Stats segment;
+    moments_from_shifted_sums<Full>(segment, sums.count, shift, sums.s1, sums.s2, sums.s3,
+                                    sums.s4);
+    // The rounding error of the float sums grows with (mean - shift)^2 / variance: beyond two
+    // standard deviations it could exceed 1e-7 of m2 (or more of m4).
+    const double d = sums.s1 / sums.count;
+    const bool far = sums.count * d * d > 4.0 * segment.m2 && isfinite(segment.mean);
+    if (far || !isfinite(sums.s1 + sums.s2 + sums.s3 + sums.s4) ||
+        spread_underflows<Acc, Full>(segment, sums.count)) {
+      segment = segment_in_double<Acc, Full>(x, begin, end, step);
+    }
+    moments = merge<Full>(moments, segment);
+  }
+}
+
+template <typename T, typename Acc, bool Full, bool Hist>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
+    accumulate_stats_kernel(const T* __restrict__ x, int64_t n, int64_t head, Buffers b) {
+  // A CUDA graph replayed past the capacity it was captured with finds the cursor beyond its
+  // buffers: the call is counted, for the host to report on reading, and writes nothing.
+  const int64_t column = *b.cursor;
+  if (column < 0 || column >= b.capacity) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(b.dropped, 1ull);
+    return;
+  }
+  FASTHOOKS_DYNAMIC_SHARED(dynamic_shared);
+  auto* lower = reinterpret_cast<Acc*>(dynamic_shared);
+  auto* hist = reinterpret_cast<unsigned int*>(lower + kMaxBins + 1);
+  const BinTable<Acc> table = bin_table(lower, b.bins, b.hist_min, b.hist_max);
+  if constexpr (Hist) {
+    for (int64_t k = threadIdx.x; k <= b.bins; k += blockDim.x) {
+      lower[k] = lower_edge<Acc>(k, b.bins, b.hist_min, b.hist_max);
+      if (k < b.bins) hist[k] = 0;
+    }
+    __syncthreads();
+  }
+
+  const Acc near_zero = static_cast<Acc>(b.near_zero);
+  Stats moments;
+  Extremes<Acc> e;
+  constexpr int kVec = kVecBytes / sizeof(T);
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t vectors = (n - head) / kVec;
+  const T* tail = x + head + vectors * kVec;
+  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, 1>*>(x), head, tid, step,
+                               near_zero, table, hist, moments, e);
+  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, kVec>*>(x + head), vectors, tid,
+                               step, near_zero, table, hist, moments, e);
+  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, 1>*>(tail), x + n - tail, tid,
+                               step, near_zero, table, hist, moments, e);
+
+  const int64_t cell = b.slot * b.capacity + column;
+  if constexpr (Hist) {
+    __syncthreads();
+    int64_t* row = b.hist + cell * b.bins;
+    for (int64_t k = threadIdx.x; k < b.bins; k += blockDim.x) {
+      if (hist[k] != 0) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(row + k),
+                  static_cast<unsigned long long>(hist[k]));
+      }
+    }
+  }
+
+  if constexpr (Full) {
+    moments.min = e.nan ? NAN : static_cast<double>(e.min);
+    moments.max = e.nan ? NAN : static_cast<double>(e.max);
+    moments.near_zero = static_cast<double>(e.near_zero);
+    moments.nonfinite = static_cast<double>(e.nonfinite);
+  }
+  block_reduce<Full>(moments);
+  __shared__ bool last_block;
+  if (threadIdx.x == 0) {
+    store_state<Full>(b.partials + kPartials * blockIdx.x, 1, moments);
+    __threadfence();  // release: the partials are visible before the ticket is taken
+    last_block = atomicAdd(b.finished, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();  // acquire: every block's partials are read after its ticket
+
+  Stats total;
+  for (int blk = threadIdx.x; blk < gridDim.x; blk += blockDim.x) {
+    double v[kPartials];
+    for (int f = 0; f < (Full ? kFullPlanes : kBasicPlanes); ++f) {
+      v[f] = __ldcg(b.partials + kPartials * blk + f);
+    }
+    total = merge<Full>(total, load_state<Full>(v, 1));
+  }
+  block_reduce<Full>(total);
+  if (threadIdx.x == 0) {
+    const int64_t plane = b.modules * b.capacity;
+    const SlotPointers slot{b.state + cell, plane, b.stats + cell, plane,
+                            Full ? b.extra + cell : nullptr};
+    store_slot<Full>(slot, merge<Full>(load_slot<Full>(slot), total));
+    *b.finished = 0;  // ready for the next call: no memset needed
+  }
+}
+
+// The dynamic shared memory of a kernel: bin edges and the block's histogram.
+template <typename Acc, bool Hist>
+constexpr size_t shared_bytes() {
+  return Hist ? (kMaxBins + 1) * sizeof(Acc) + kMaxBins * sizeof(unsigned int) : 0;
+}
+
+// A kernel as a type of its own, so that what a launcher keeps per kernel (a static) is per kernel.
+template <auto Kernel>
+struct KernelOf {
+  static constexpr auto kernel = Kernel;
+};
+
+// Calls launch(KernelOf<kernel>{}, dynamic shared bytes) with the kernel for T and the
+// statistics asked for.
+template <typename T, typename Launch>
+void with_kernel(bool full, bool hist, Launch&& launch) {
+  using Acc = typename Accumulator<T>::type;
+  if (full && hist) {
+    return launch(KernelOf<accumulate_stats_kernel<T, Acc, true, true>>{},
+                  shared_bytes<Acc, true>());
+  }
+  if (full) {
+    return launch(KernelOf<accumulate_stats_kernel<T, Acc, true, false>>{},
+                  shared_bytes<Acc, false>());
+  }
+  if (hist) {
+    return launch(KernelOf<accumulate_stats_kernel<T, Acc, false, true>>{},
+                  shared_bytes<Acc, true>());
+  }
+  launch(KernelOf<accumulate_stats_kernel<T, Acc, false, false>>{}, shared_bytes<Acc, false>());
+}
+
+}  // namespace cuda
+}  // namespace fasthooks

@@ -1,0 +1,198 @@
+"""The CUDA kernels' device code, run on the CPU: a door with the operator's signature.
+
+`harness.cpp` compiles `csrc/cuda/accumulate_kernel.cuh` (the file nvcc compiles) for the host
+against `device_api.h`, an emulation of the CUDA device API; `accumulate` here calls it on CPU
+tensors as `torch.ops.fasthooks.accumulate_stats` would on CUDA ones. The library is built on
+first use with the host's C++ compiler into build/cuda-on-cpu/, named by a hash of its sources.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+SOURCES = [
+    HERE / "harness.cpp",
+    HERE / "device_api.h",
+    *sorted((ROOT / "csrc" / "cuda").glob("*.cuh")),
+    *sorted((ROOT / "csrc" / "cuda").glob("*.h")),
+    *sorted((ROOT / "csrc").glob("*.h")),
+]
+BUILD = ROOT / "build" / "cuda-on-cpu"
+DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+# An H100 or H200: 132 multiprocessors, each holding kMinBlocksPerSM blocks of the kernels.
+MULTIPROCESSORS = 132
+COUNT_NAMES = ("launches", "blocks", "barriers", "warp_ops", "lane_splits", "errors")
+
+_P, _I64, _INT, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+_SIGNATURES = {
+    "harness_workspace_doubles": ([], _I64),
+    "harness_max_blocks": ([], _I64),
+    "harness_regions": ([], _I64),
+    "harness_min_blocks_per_sm": ([], _I64),
+    "harness_options": ([_INT, _INT, ctypes.c_ulonglong], None),
+    "harness_counts": ([_P], None),
+    "harness_first_error": ([], ctypes.c_char_p),
+    "harness_region_of": ([_P, ctypes.c_ulonglong, _INT, ctypes.c_char_p, _I64], _I64),
+    "harness_accumulate": (
+        [_INT, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _D, _D, _D]
+        + [_I64],
+        _INT,
+    ),
+}
+_library: ctypes.CDLL | None = None
+_workspaces: dict[int, torch.Tensor] = {}
+
+
+class DeviceCodeError(AssertionError):
+    """The emulation saw the device code break a rule of CUDA (see device_api.h)."""
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether x's elements fill a block of memory, in any order (as csrc/checks.cpp decides)."""
+    expected = 1
+    for stride, size in sorted((t, s) for s, t in zip(x.shape, x.stride(), strict=True) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _build() -> Path:
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
+    target = BUILD / f"harness-{digest}.so"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("the CUDA-on-CPU harness needs a C++ compiler (g++) on PATH")
+    BUILD.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".{os.getpid()}.tmp")
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{ROOT / 'csrc'}"]
+    # Fortified longjmp refuses to jump between stacks, which is how fibers switch.
+    command = [compiler, "-O2", "-U_FORTIFY_SOURCE", "-std=c++20", "-shared", "-fPIC", "-pthread", *includes]
+    command += [str(HERE / "harness.cpp"), "-o", str(partial)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the CUDA-on-CPU harness failed:\n{done.stderr[-4000:]}")
+    partial.replace(target)
+    return target
+
+
+def library() -> ctypes.CDLL:
+    """The harness library, built on first use."""
+    global _library
+    if _library is None:
+        lib = ctypes.CDLL(str(_build()))
+        for name, (args, result) in _SIGNATURES.items():
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = result
+        _library = lib
+    return _library
+
+
+def workspace_doubles() -> int:
+    return library().harness_workspace_doubles()
+
+
+def resident_blocks() -> int:
+    """The blocks a launch gets on an H100 or H200 at the kernels' occupancy, as on the GPU."""
+    return MULTIPROCESSORS * library().harness_min_blocks_per_sm()
+
+
+def configure(workers: int = 4, split_lanes: bool = False, seed: int = 1) -> None:
+    """Blocks on `workers` OS threads; `split_lanes`: divergent lanes at `__activemask()`."""
+    library().harness_options(workers, int(split_lanes), seed)
+
+
+def counts() -> dict[str, int]:
+    out = (ctypes.c_int64 * len(COUNT_NAMES))()
+    library().harness_counts(out)
+    return dict(zip(COUNT_NAMES, list(out), strict=True))
+
+
+def region_of(workspace: torch.Tensor, stream: int, capturing: bool = False) -> int:
+    """The workspace region the host gives calls from `stream` (csrc/cuda/stream_regions.h)."""
+    error = ctypes.create_string_buffer(1024)
+    region = library().harness_region_of(
+        workspace.data_ptr(), stream, int(capturing), error, len(error)
+    )
+    if region < 0:
+        raise RuntimeError(error.value.decode())
+    return region
+
+
+def workspace_for(state: torch.Tensor) -> torch.Tensor:
+    """A zeroed CUDA workspace that lives as long as `state` (CPU buffers have an empty one)."""
+    key = id(state)
+    if key not in _workspaces:
+        _workspaces[key] = torch.zeros(workspace_doubles(), dtype=torch.float64)
+        weakref.finalize(state, _workspaces.pop, key, None)
+    return _workspaces[key]
+
+
+def accumulate(
+    x: torch.Tensor,
+    state: torch.Tensor,
+    stats: torch.Tensor,
+    extra: torch.Tensor,
+    hist: torch.Tensor,
+    workspace: torch.Tensor,
+    cursor: torch.Tensor,
+    slot: int,
+    near_zero: float = 0.05,
+    hist_min: float = 0.0,
+    hist_max: float = 10.0,
+    *,
+    stream: int = 0,
+    resident: int | None = None,
+) -> None:
+    """`accumulate_stats` through the CUDA kernels, on CPU tensors; `stream` stands for the CUDA
+    stream of the call. An empty `workspace` (CPU buffers) is replaced by one kept for `state`.
+    Raises DeviceCodeError when the emulation saw a rule of CUDA broken."""
+    if workspace.numel() == 0:
+        workspace = workspace_for(state)
+    if workspace.numel() != workspace_doubles() or workspace.dtype != torch.float64:
+        raise ValueError(f"workspace must be {workspace_doubles()} float64 values")
+    bins = hist.shape[2] if hist.numel() > 0 else 0
+    if x.numel() == 0:
+        return
+    dense = x if x.is_contiguous() or _dense(x) else x.contiguous()
+    full = state.shape[0] == 9
+    lib = library()
+    errors = counts()["errors"]
+    status = lib.harness_accumulate(
+        DTYPES[dense.dtype],
+        dense.data_ptr(),
+        dense.numel(),
+        state.data_ptr(),
+        stats.data_ptr(),
+        extra.data_ptr() if full else None,
+        hist.data_ptr() if bins else None,
+        cursor.data_ptr(),
+        workspace.data_ptr(),
+        region_of(workspace, stream),
+        slot,
+        state.shape[1],
+        state.shape[2],
+        bins,
+        int(full),
+        near_zero,
+        hist_min,
+        hist_max,
+        resident or resident_blocks(),
+    )
+    if status != 0:
+        raise ValueError(f"unsupported dtype {dense.dtype}")
+    if counts()["errors"] != errors:
+        raise DeviceCodeError(lib.harness_first_error().decode())

@@ -1,0 +1,94 @@
+// The CUDA kernels of fasthooks (csrc/cuda/accumulate_kernel.cuh, the file nvcc compiles) built
+// for the host against device_api.h, with a C interface for tests/cuda_on_cpu/__init__.py. The
+// host side restates only what needs a GPU in accumulate_cuda.cu: the resident-block count is an
+// argument here, and the stream a call comes from is a number.
+#include "device_api.h"
+// clang-format off: the emulation must come first
+#include "cuda/accumulate_kernel.cuh"
+#include "cuda/stream_regions.h"
+// clang-format on
+
+#include <cstdio>
+#include <exception>
+
+namespace {
+
+using namespace fasthooks::cuda;
+
+template <typename T>
+void run(const void* data, int64_t n, const Buffers& buffers, bool full, int64_t resident) {
+  const T* x = static_cast<const T*>(data);
+  with_kernel<T>(full, buffers.bins > 0, [&](auto kernel_of, size_t shared) {
+    const LaunchPlan plan = plan_launch(x, n, resident);
+    cuda_on_cpu::launch(decltype(kernel_of)::kernel, static_cast<unsigned>(plan.blocks),
+                        kThreads, shared, x, n, plan.head, buffers);
+  });
+}
+
+StreamRegions& regions() {
+  static StreamRegions r(kRegions);
+  return r;
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t harness_workspace_doubles() { return kWorkspaceDoubles; }
+int64_t harness_max_blocks() { return kMaxBlocks; }
+int64_t harness_regions() { return kRegions; }
+int64_t harness_min_blocks_per_sm() { return kMinBlocksPerSM; }
+
+void harness_options(int workers, int split_lanes, unsigned long long seed) {
+  cuda_on_cpu::options() = {workers, split_lanes != 0, seed};
+}
+
+// launches, blocks, barriers, warp_ops, lane_splits, errors
+void harness_counts(int64_t* out) {
+  const cuda_on_cpu::Counts& c = cuda_on_cpu::counts();
+  const int64_t values[] = {c.launches, c.blocks, c.barriers, c.warp_ops, c.lane_splits, c.errors};
+  for (int i = 0; i < 6; ++i) out[i] = values[i];
+}
+
+const char* harness_first_error() { return cuda_on_cpu::first_error().c_str(); }
+
+// The region a call from `stream` gets (stream_regions.h), or -1 with the message in `error`.
+int64_t harness_region_of(const void* workspace, unsigned long long stream, int capturing,
+                          char* error, int64_t error_size) {
+  try {
+    return regions().region_of(workspace, {static_cast<uintptr_t>(stream), capturing != 0});
+  } catch (const std::exception& e) {
+    std::snprintf(error, static_cast<size_t>(error_size), "%s", e.what());
+    return -1;
+  }
+}
+
+// One call of the operator's CUDA path on CPU memory. dtype: 0 float32, 1 float64, 2 float16,
+// 3 bfloat16.
+int harness_accumulate(int dtype, const void* x, int64_t n, double* state, float* stats,
+                       float* extra, int64_t* hist, const int64_t* cursor, double* workspace,
+                       int64_t region, int64_t slot, int64_t modules, int64_t capacity,
+                       int64_t bins, int full, double near_zero, double hist_min, double hist_max,
+                       int64_t resident) {
+  if (n == 0) return 0;
+  const Buffers b = buffers_for(state, stats, extra, hist, cursor, workspace, region, slot, modules,
+                                capacity, bins, near_zero, hist_min, hist_max);
+  switch (dtype) {
+    case 0:
+      run<float>(x, n, b, full != 0, resident);
+      return 0;
+    case 1:
+      run<double>(x, n, b, full != 0, resident);
+      return 0;
+    case 2:
+      run<torch::headeronly::Half>(x, n, b, full != 0, resident);
+      return 0;
+    case 3:
+      run<torch::headeronly::BFloat16>(x, n, b, full != 0, resident);
+      return 0;
+    default:
+      return 1;
+  }
+}
+
+}  // extern "C"
