@@ -52,7 +52,8 @@ lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/clang-format --dry-run --Werror \
-		$$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'benchmarks/*.cpp')
+		$$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'benchmarks/*.cpp' \
+			'tests/*.cpp' 'tests/*.h')
 
 test-cpu: build
 	FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_FRAMEWORKS=1 \

@@ -145,8 +145,8 @@ bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& s
                         (std::fabs(hist_min) <= kFloatMax && std::fabs(hist_max) <= kFloatMax &&
                          hist_max - hist_min <= kFloatMax),
                     "accumulate_stats: hist_min and hist_max must lie within float32's range "
-                    "and at most ", kFloatMax, " apart for ", dtype, " input, got ", hist_min,
-                    " and ", hist_max);
+                    "and at most ",
+                    kFloatMax, " apart for ", dtype, " input, got ", hist_min, " and ", hist_max);
     FASTHOOKS_CHECK(bins_resolvable(hist.size(2), hist_min, hist_max),
                     "accumulate_stats: ", hist.size(2), " bins over [", hist_min, ", ", hist_max,
                     "] are narrower than 2^-16 of the range's magnitude");

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from .layout import CUDA_WORKSPACE_DOUBLES, EXTRA_PLANES, NONFINITE, state_planes
+from .layout import (
+    CUDA_DROPPED_CALLS,
+    CUDA_WORKSPACE_DOUBLES,
+    EXTRA_PLANES,
+    NONFINITE,
+    state_planes,
+)
 
 
 class StatBuffers:
@@ -84,6 +90,13 @@ class StatBuffers:
             self.extra.index_fill_(2, column, float("nan"))
         if self.hist_bins:
             self.hist.index_fill_(1, column, 0)
+
+    def dropped_calls(self) -> int:
+        """How many calls the CUDA kernels dropped because the cursor was past the capacity (a
+        CUDA graph replayed past its buffers); reading it waits for the device."""
+        if self.workspace.numel() == 0:
+            return 0
+        return int(self.workspace[CUDA_DROPPED_CALLS : CUDA_DROPPED_CALLS + 1].view(torch.int64))
 
     def nonfinite(self) -> torch.Tensor:
         """The exact float64 count of NaN and infinite elements per slot, `(modules, capacity)`."""

@@ -23,6 +23,7 @@ from .ops import resolve_backend
 from .outputs import measured_tensor
 
 DEFAULT_CAPACITY = 64
+FLOAT32_MAX = torch.finfo(torch.float32).max
 # What the operator and the Python backend raise on input they cannot measure.
 _MEASURE_ERRORS = (RuntimeError, TypeError, ValueError, NotImplementedError)
 
@@ -37,6 +38,32 @@ def _recomputing() -> bool:
 
 def _uncompiled_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def _buffer_device(model: nn.Module, modules: list[nn.Module]) -> torch.device:
+    """The one device of the hooked modules' parameters (the model's when they have none), where
+    the buffers live; several devices are refused, and so is nn.DataParallel over several GPUs."""
+    for m in model.modules():
+        if isinstance(m, nn.DataParallel) and len(m.device_ids) > 1:
+            raise ValueError(
+                "ActivationStats does not support nn.DataParallel over several GPUs: its replicas "
+                "run the hooks on other devices and threads. Use DistributedDataParallel (one "
+                "ActivationStats per process, then act.all_reduce())"
+            )
+    devices = {p.device for m in modules for p in m.parameters(recurse=False)}
+    # A model on the meta device computes nothing to record; its statistics read NaN.
+    devices = {torch.device("cpu") if d.type == "meta" else d for d in devices}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(
+            f"ActivationStats: the hooked modules live on several devices ({names}); a run keeps "
+            "its buffers on one device. Give each device an ActivationStats of its own, with "
+            "modules= the modules on that device"
+        )
+    if devices:
+        return devices.pop()
+    device = next(model.parameters(), torch.empty(0)).device
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 class StatisticsError(RuntimeError):
@@ -74,6 +101,12 @@ def _check_hist(hist_bins: Any, hist_range: Any) -> tuple[int, float, float]:
         raise ValueError(f"hist_range must be two numbers (lo, hi), got {hist_range!r}") from None
     if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
         raise ValueError(f"hist_range must be finite with lo < hi, got {hist_range!r}")
+    # float32, float16 and bfloat16 activations are binned in float32, whose range must hold it.
+    if max(abs(lo), abs(hi), hi - lo) > FLOAT32_MAX:
+        raise ValueError(
+            f"hist_range must lie within float32's range and span at most {FLOAT32_MAX:.4g}, "
+            f"got {hist_range!r}"
+        )
     # float32 values must resolve the bins: each spans at least 2^-16 of the range's magnitude.
     if hist_bins and (hi - lo) / hist_bins < math.ldexp(max(abs(lo), abs(hi)), -16):
         raise ValueError(
@@ -123,7 +156,16 @@ class ActivationStats(HookCallback):
 
     The buffers hold `expected_batches` columns and double when they run out. A step captured
     in a CUDA graph keeps writing to the buffers it was captured with, so give
-    `expected_batches` for the whole run there (past its end a device-side assertion fires).
+    `expected_batches` for the whole run there: calls past its end are not recorded, and
+    reading says how many were dropped.
+
+    On CUDA the hooks launch their kernels on the current stream. Hooks called from several
+    streams at once are safe (each stream gets its own scratch space, up to 8 per run); call
+    `on_batch_end` on the stream the step ran on, or after that stream's work (say
+    `torch.cuda.current_stream().wait_stream(s)`), since it moves the batch cursor. A copy of a
+    hooked module (`copy.deepcopy`, an EMA model) carries its hook along and is not recorded
+    (a warning says so); `nn.DataParallel` over several GPUs and hooked modules on several
+    devices are refused: use one `ActivationStats` per device or process.
 
     Args:
         model: the `nn.Module` to watch, or any object with one at `.model` (a learner).
@@ -194,6 +236,7 @@ class ActivationStats(HookCallback):
         self._args: tuple[torch.Tensor, ...] = ()
         self._host = _host_copies()
         self._num_batches = 0
+        self._dropped_reported = 0
         self._resume: dict[str, Any] | None = None
         self._leaving_on_error = False
         self._start_sampling()
@@ -223,9 +266,7 @@ class ActivationStats(HookCallback):
                 stacklevel=2,
             )
         slots = self._check_unique(modules)
-        device = next(self.model.parameters(), torch.empty(0)).device
-        # A model on the meta device computes nothing to record; its statistics read NaN.
-        device = torch.device("cpu") if device.type == "meta" else device
+        device = _buffer_device(self.model, modules)
         resume, self._resume = self._resume, None
         capacity = self.expected_batches
         if resume is not None:  # checked by load_state_dict
@@ -235,11 +276,15 @@ class ActivationStats(HookCallback):
         )
         if resume is not None:
             checkpoint.restore(resume, buffers)
+        if device.type == "cuda":
+            # Ready for the hooks on whichever stream they run.
+            torch.cuda.current_stream(device).synchronize()
         super().on_train_begin(**kwargs)
         self._slots, self._buffers, self._args = slots, buffers, buffers.op_args()
         self._warned = set()
         self._host = _host_copies()
         self._num_batches = 0
+        self._dropped_reported = 0
         self._start_sampling()
         if resume is not None:
             self._num_batches, self._seen = resume["num_batches"], resume["seen"]
@@ -292,8 +337,12 @@ class ActivationStats(HookCallback):
         if x is None:
             self._skip(m, measured_tensor(o)[1])
             return
+        slot = self._slots.get(m)
+        if slot is None:
+            self._foreign(m)
+            return
         try:
-            self._accumulate(x.detach(), *self._args, self._slots[m], *self._options)
+            self._accumulate(x.detach(), *self._args, slot, *self._options)
         except _MEASURE_ERRORS as error:
             self._record_otherwise(m, o, error)
 
@@ -310,7 +359,23 @@ class ActivationStats(HookCallback):
         if x is None:
             self._skip(m, measured_tensor(o)[1])
             return
-        self._accumulate(x.detach(), *self._args, self._slots[m], *self._options)
+        slot = self._slots.get(m)
+        if slot is None:
+            self._foreign(m)
+            return
+        self._accumulate(x.detach(), *self._args, slot, *self._options)
+
+    def _foreign(self, m: nn.Module) -> None:
+        """A module this run did not hook called its hook: a copy of a hooked one."""
+        if m not in self._warned:
+            self._warned.add(m)
+            warnings.warn(
+                f"ActivationStats: a {type(m).__name__} that this run did not hook called its "
+                "hook: a copy of a hooked module (copy.deepcopy, an EMA model, an nn.DataParallel "
+                "replica) carries the hook along. Its outputs are not recorded",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _record_otherwise(self, m: nn.Module, o: Any, error: Exception) -> None:
         """After the operator refused an output: measure what can be measured, else say why."""
@@ -495,10 +560,24 @@ class ActivationStats(HookCallback):
 
     def _read(self, name: str, source: torch.Tensor) -> torch.Tensor:
         """The recorded columns of a buffer on the CPU: a view there, else new columns copied."""
+        self._report_dropped()
         copy = self._host[name]
         if source.device.type == "cpu" and source.dtype == copy.dtype:
             return source.narrow(copy.axis, 0, self._num_batches)
         return copy.read(source, self._num_batches)
+
+    def _report_dropped(self) -> None:
+        dropped = self._buffers.dropped_calls() if self._buffers is not None else 0
+        if dropped > self._dropped_reported:
+            self._dropped_reported = dropped
+            warnings.warn(
+                f"ActivationStats: {dropped} hooked calls were not recorded: they found every "
+                f"column of the buffers used ({self._buffers.capacity}), as a CUDA graph replayed "
+                f"past its buffers does. Give expected_batches (now {self.expected_batches}) for "
+                "the whole run when the step is captured in a CUDA graph",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     @property
     def stats(self) -> torch.Tensor:

@@ -20,6 +20,8 @@ FUSED = pytest.mark.skipif(
     reason=f"fasthooks._C not built: {fasthooks.extension_error()}",
 )
 BACKENDS = ["python", pytest.param("fused", marks=FUSED)]
+# The CUDA kernels' device code run on the CPU (tests/cuda_on_cpu/), on CPU tensors only.
+CUDA_ON_CPU = pytest.mark.cuda_on_cpu
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -30,17 +32,23 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         )
 
 
+def _deselected(item: pytest.Item, isa_run: bool) -> bool:
+    params = getattr(item, "callspec", None)
+    params = params.params if params is not None else {}
+    emulated = item.get_closest_marker("cuda_on_cpu") is not None
+    if emulated and params.get("device") == "cuda":
+        return True
+    # An ISA matrix run (make test-isa) exercises the CPU kernels: tests of the Python backend or
+    # of the CUDA device code would only repeat the native run, far slower under emulation.
+    python = params.get("backend") == "python" or params.get("accumulate") is python_backend
+    return isa_run and (python or emulated)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # An ISA matrix run (make test-isa) exercises the CPU kernels: tests of the Python backend
-    # would only repeat the native run, several times slower under emulation.
-    if not os.environ.get("FASTHOOKS_EXPECT_CPU_CAPABILITY"):
-        return
+    isa_run = bool(os.environ.get("FASTHOOKS_EXPECT_CPU_CAPABILITY"))
     keep, drop = [], []
     for item in items:
-        params = getattr(item, "callspec", None)
-        params = params.params if params is not None else {}
-        python = params.get("backend") == "python" or params.get("accumulate") is python_backend
-        (drop if python else keep).append(item)
+        (drop if _deselected(item, isa_run) else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

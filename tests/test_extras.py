@@ -3,9 +3,10 @@ histograms, from the operator up to ActivationStats."""
 
 import math
 
+import cuda_on_cpu
 import pytest
 import torch
-from conftest import BACKENDS, DEVICES, FUSED
+from conftest import BACKENDS, CUDA_ON_CPU, DEVICES, FUSED
 from torch import nn
 
 from fasthooks import ActivationStats, hook_outputs
@@ -17,6 +18,7 @@ from fasthooks.ops import accumulate_stats, kernel_layout
 ACCUMULATORS = {
     "python": accumulate_stats_python,
     "fused": pytest.param(accumulate_stats, marks=FUSED),
+    "cuda_on_cpu": pytest.param(cuda_on_cpu.accumulate, marks=CUDA_ON_CPU),
 }
 ALL = list(EXTRAS)
 

@@ -4,9 +4,10 @@ import math
 import subprocess
 import sys
 
+import cuda_on_cpu
 import pytest
 import torch
-from conftest import DEVICES, FUSED, reference_moments, subprocess_env
+from conftest import CUDA_ON_CPU, DEVICES, FUSED, reference_moments, subprocess_env
 
 from fasthooks import ops
 from fasthooks.buffers import StatBuffers
@@ -14,7 +15,15 @@ from fasthooks.moments import accumulate_stats_python
 
 pytestmark = FUSED
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-ACCUMULATORS = {"fused": ops.accumulate_stats, "python": accumulate_stats_python}
+ACCUMULATORS = {
+    "fused": ops.accumulate_stats,
+    "python": accumulate_stats_python,
+    "cuda_on_cpu": cuda_on_cpu.accumulate,
+}
+# Every backend of the operator: the CPU kernels, the Python reference and the CUDA kernels' device
+# code run on the CPU (tests/cuda_on_cpu/).
+BACKENDS = ["fused", "python", pytest.param("cuda_on_cpu", marks=CUDA_ON_CPU)]
+KERNELS = ["fused", pytest.param("cuda_on_cpu", marks=CUDA_ON_CPU)]
 
 
 def _buffers(device="cpu", full=False, bins=0, modules=2, capacity=3) -> StatBuffers:
@@ -55,7 +64,7 @@ DISTRIBUTIONS = {
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("full", [False, True], ids=["mean_std", "every_stat"])
-@pytest.mark.parametrize("backend", ["fused", "python"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dist", DISTRIBUTIONS)
 @pytest.mark.parametrize(
     "n",
@@ -76,9 +85,10 @@ def test_float32_numerics_against_float64_two_pass(backend, dist, n, full, devic
 @pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dtypes_match_reference(dtype, device):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_dtypes_match_reference(dtype, device, backend):
     x = (torch.randn(300_001, dtype=torch.float64) * 3 + 7).to(dtype).to(device)
-    count, mean, std = _moments(x)
+    count, mean, std = _moments(x, backend)
     assert count == x.numel()
     _assert_within_bounds(mean, std, *reference_moments(x))
 
@@ -99,9 +109,10 @@ def _layouts(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", _layouts("cpu"))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_layouts_give_the_same_moments(layout, dtype, device):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_layouts_give_the_same_moments(layout, dtype, device, backend):
     x = _layouts(device)[layout].to(dtype)
-    count, mean, std = _moments(x)
+    count, mean, std = _moments(x, backend)
     ref_mean, ref_std = reference_moments(x)
     assert count == x.numel()
     if x.numel() == 1:
@@ -132,7 +143,7 @@ def test_dense_layouts_are_read_in_place_and_others_copied():
 
 @pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("backend", ["fused", "python"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_merging_calls_equals_concatenation(backend, device):
     g = torch.Generator().manual_seed(3)
     parts = [
@@ -152,7 +163,7 @@ def test_merging_calls_equals_concatenation(backend, device):
 
 @pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("backend", ["fused", "python"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_and_single_element(backend, dtype, device):
     b = _buffers(device, full=True, bins=4, modules=1, capacity=2)
@@ -174,7 +185,7 @@ def test_empty_and_single_element(backend, dtype, device):
 
 @pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("backend", ["fused", "python"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     ("special", "expected_mean", "expected_std"),
     [
@@ -354,25 +365,26 @@ def test_callable_from_torchscript():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("full", "bins"), [(False, 0), (True, 40)])
-def test_fused_matches_the_python_reference(dtype, device, full, bins):
+@pytest.mark.parametrize("backend", KERNELS)
+def test_fused_matches_the_python_reference(dtype, device, full, bins, backend):
     g = torch.Generator().manual_seed(11)
     calls = [torch.randn(4, 16, 9, 9, generator=g) * 3 + 1, torch.randn(70_001, generator=g).relu()]
     results = {}
-    for backend, accumulate in ACCUMULATORS.items():
+    for name in (backend, "python"):
         b = _buffers(device, full, bins, capacity=2)
         for column, x in enumerate(calls):
             b.cursor.fill_(column)
             for scale in (1, 2):
-                accumulate(x.to(dtype).to(device) * scale, *b.op_args(), 1, 0.5, 0.0, 4.0)
-        results[backend] = [t.cpu().clone() for t in b.op_args()[:4]]
+                ACCUMULATORS[name](x.to(dtype).to(device) * scale, *b.op_args(), 1, 0.5, 0.0, 4.0)
+        results[name] = [t.cpu().clone() for t in b.op_args()[:4]]
     if full:
         # m3 of near-symmetric data is a near-cancellation: its error on the scale n * std^3.
-        fused, python = results["fused"][0], results["python"][0]
+        fused, python = results[backend][0], results["python"][0]
         count, m2 = python[0], python[2]
         m3_scale = (m2.clamp(min=0) ** 1.5 / count.clamp(min=1) ** 0.5).nan_to_num()
         assert ((fused[3] - python[3]).abs() <= 1e-6 * m3_scale).all()
         fused[3] = python[3]
-    for fused, python in zip(results["fused"], results["python"], strict=True):
+    for fused, python in zip(results[backend], results["python"], strict=True):
         torch.testing.assert_close(fused, python, rtol=1e-6, atol=1e-9, equal_nan=True)
 
 
@@ -386,7 +398,7 @@ EXTREMES = {
 @pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("full", [False, True], ids=["mean_std", "every_stat"])
-@pytest.mark.parametrize("backend", ["fused", "python"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", EXTREMES)
 def test_values_near_the_largest_finite_stay_finite(backend, case, full, device):
     x = EXTREMES[case](torch.Generator().manual_seed(8))

@@ -82,8 +82,10 @@ void accumulate_stats_cuda(const Tensor& x, const Tensor& state, const Tensor& s
   FASTHOOKS_CHECK(dtype_of(workspace) == ScalarType::Double && workspace.is_contiguous() &&
                       workspace.numel() == kWorkspaceDoubles,
                   "accumulate_stats: workspace must be a zeroed contiguous float64 tensor of ",
-                  kWorkspaceDoubles, " elements on CUDA (fasthooks.layout.CUDA_WORKSPACE_DOUBLES), "
-                  "got ", workspace.scalar_type(), " of shape ", shape_of(workspace));
+                  kWorkspaceDoubles,
+                  " elements on CUDA (fasthooks.layout.CUDA_WORKSPACE_DOUBLES), "
+                  "got ",
+                  workspace.scalar_type(), " of shape ", shape_of(workspace));
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
   FASTHOOKS_CHECK(bins <= kMaxBins, "accumulate_stats: at most ", kMaxBins, " bins on CUDA, got ",
                   bins);

@@ -295,8 +295,7 @@ __device__ void thread_pass(const Load<T, Width>* x, int64_t loads, int64_t firs
       }
     }
     Stats segment;
-    moments_from_shifted_sums<Full>(segment, sums.count, shift, sums.s1, sums.s2, sums.s3,
-                                    sums.s4);
+    moments_from_shifted_sums<Full>(segment, sums.count, shift, sums.s1, sums.s2, sums.s3, sums.s4);
     // The rounding error of the float sums grows with (mean - shift)^2 / variance: beyond two
     // standard deviations it could exceed 1e-7 of m2 (or more of m4).
     const double d = sums.s1 / sums.count;
@@ -339,12 +338,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t vectors = (n - head) / kVec;
   const T* tail = x + head + vectors * kVec;
-  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, 1>*>(x), head, tid, step,
+  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, 1>*>(x), head, tid, step, near_zero,
+                               table, hist, moments, e);
+  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, kVec>*>(x + head), vectors, tid, step,
                                near_zero, table, hist, moments, e);
-  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, kVec>*>(x + head), vectors, tid,
-                               step, near_zero, table, hist, moments, e);
-  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, 1>*>(tail), x + n - tail, tid,
-                               step, near_zero, table, hist, moments, e);
+  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, 1>*>(tail), x + n - tail, tid, step,
+                               near_zero, table, hist, moments, e);
 
   const int64_t cell = b.slot * b.capacity + column;
   if constexpr (Hist) {

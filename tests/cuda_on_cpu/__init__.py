@@ -42,11 +42,12 @@ _SIGNATURES = {
     "harness_min_blocks_per_sm": ([], _I64),
     "harness_options": ([_INT, _INT, ctypes.c_ulonglong], None),
     "harness_counts": ([_P], None),
-    "harness_first_error": ([], ctypes.c_char_p),
+    "harness_last_error": ([], ctypes.c_char_p),
+    "harness_break_a_rule": ([_INT], None),
+    "harness_plan": ([_INT, _P, _I64, _I64, _P], None),
     "harness_region_of": ([_P, ctypes.c_ulonglong, _INT, ctypes.c_char_p, _I64], _I64),
     "harness_accumulate": (
-        [_INT, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _D, _D, _D]
-        + [_I64],
+        [_INT, _P, _I64, *[_P] * 6, *[_I64] * 5, _INT, _D, _D, _D, _I64],
         _INT,
     ),
 }
@@ -80,7 +81,8 @@ def _build() -> Path:
     partial = target.with_suffix(f".{os.getpid()}.tmp")
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{ROOT / 'csrc'}"]
     # Fortified longjmp refuses to jump between stacks, which is how fibers switch.
-    command = [compiler, "-O2", "-U_FORTIFY_SOURCE", "-std=c++20", "-shared", "-fPIC", "-pthread", *includes]
+    flags = ["-O2", "-U_FORTIFY_SOURCE", "-std=c++20", "-shared", "-fPIC", "-pthread"]
+    command = [compiler, *flags, *includes]
     command += [str(HERE / "harness.cpp"), "-o", str(partial)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
@@ -121,12 +123,27 @@ def counts() -> dict[str, int]:
     return dict(zip(COUNT_NAMES, list(out), strict=True))
 
 
-def region_of(workspace: torch.Tensor, stream: int, capturing: bool = False) -> int:
-    """The workspace region the host gives calls from `stream` (csrc/cuda/stream_regions.h)."""
+def plan(x: torch.Tensor, resident: int | None = None) -> tuple[int, int]:
+    """(scalar values before the first 16-byte boundary, blocks) of a launch over x."""
+    out = (ctypes.c_int64 * 2)()
+    resident = resident or resident_blocks()
+    library().harness_plan(DTYPES[x.dtype], x.data_ptr(), x.numel(), resident, out)
+    return out[0], out[1]
+
+
+def break_a_rule(which: int) -> str:
+    """Runs a kernel that breaks rule `which` of CUDA; what the emulation reported."""
+    errors = counts()["errors"]
+    library().harness_break_a_rule(which)
+    return library().harness_last_error().decode() if counts()["errors"] > errors else ""
+
+
+def region_of(workspace: torch.Tensor | int, stream: int, capturing: bool = False) -> int:
+    """The region the host gives calls from `stream` in `workspace` (a tensor, or an address)
+    (csrc/cuda/stream_regions.h)."""
     error = ctypes.create_string_buffer(1024)
-    region = library().harness_region_of(
-        workspace.data_ptr(), stream, int(capturing), error, len(error)
-    )
+    address = workspace if isinstance(workspace, int) else workspace.data_ptr()
+    region = library().harness_region_of(address, stream, int(capturing), error, len(error))
     if region < 0:
         raise RuntimeError(error.value.decode())
     return region
@@ -195,4 +212,4 @@ def accumulate(
     if status != 0:
         raise ValueError(f"unsupported dtype {dense.dtype}")
     if counts()["errors"] != errors:
-        raise DeviceCodeError(lib.harness_first_error().decode())
+        raise DeviceCodeError(lib.harness_last_error().decode())

@@ -2,7 +2,8 @@
 // device code runs here unchanged.
 //
 // - Each CUDA thread is a fiber (started with ucontext, switched with _setjmp/_longjmp, which
-//   leave the signal mask alone and so make no system call); the fibers of a block take turns on one OS thread, so
+//   leave the signal mask alone and so make no system call); the fibers of a block take turns on
+//   one OS thread, so
 //   `__shared__` variables are thread_local statics (they keep what the previous block on that OS
 //   thread left, never zeroed), and dynamic shared memory is refilled with random bytes at every
 //   block start.
@@ -56,7 +57,7 @@ struct Dim3 {
 
 // How launches run; set from Python before a launch.
 struct Options {
-  int workers = 4;         // OS threads running blocks at once
+  int workers = 4;           // OS threads running blocks at once
   bool split_lanes = false;  // __activemask() splits the waiting lanes at random
   uint64_t seed = 1;
 };
@@ -82,16 +83,15 @@ inline std::mutex& error_mutex() {
   return m;
 }
 
-inline std::string& first_error() {
+inline std::string& last_error() {
   static std::string e;
   return e;
 }
 
 inline void report(const std::string& what) {
-  if (counts().errors++ == 0) {
-    const std::lock_guard<std::mutex> lock(error_mutex());
-    first_error() = what;
-  }
+  const std::lock_guard<std::mutex> lock(error_mutex());
+  counts().errors++;
+  last_error() = what;
 }
 
 enum class Wait { kNone, kBarrier, kShuffle, kMatch, kActiveMask, kExited };
@@ -153,6 +153,7 @@ T warp_op(Wait op, unsigned mask, T value, int delta) {
   Fiber& f = *running->current;
   if (!(mask >> (f.thread.x % 32) & 1u)) {
     report("a lane called a warp intrinsic with a mask that leaves it out");
+    return value;  // no lane of the mask waits for it
   }
   f.mask = mask;
   f.delta = delta;
@@ -192,8 +193,8 @@ inline bool resolve_warp_ops(Block& b) {
         } else {
           unsigned peers = 0;
           for (unsigned j = 0; j < 32; ++j) {
-            const bool same = static_cast<uint32_t>(b.fibers[warp + j].value) ==
-                              static_cast<uint32_t>(g.value);
+            const bool same =
+                static_cast<uint32_t>(b.fibers[warp + j].value) == static_cast<uint32_t>(g.value);
             if ((mask >> j & 1u) && same) peers |= 1u << j;
           }
           g.result = peers;

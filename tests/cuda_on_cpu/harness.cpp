@@ -2,14 +2,14 @@
 // for the host against device_api.h, with a C interface for tests/cuda_on_cpu/__init__.py. The
 // host side restates only what needs a GPU in accumulate_cuda.cu: the resident-block count is an
 // argument here, and the stream a call comes from is a number.
+// The emulation first: the kernels' header uses what it defines.
 #include "device_api.h"
-// clang-format off: the emulation must come first
-#include "cuda/accumulate_kernel.cuh"
-#include "cuda/stream_regions.h"
-// clang-format on
 
 #include <cstdio>
 #include <exception>
+
+#include "cuda/accumulate_kernel.cuh"
+#include "cuda/stream_regions.h"
 
 namespace {
 
@@ -20,9 +20,26 @@ void run(const void* data, int64_t n, const Buffers& buffers, bool full, int64_t
   const T* x = static_cast<const T*>(data);
   with_kernel<T>(full, buffers.bins > 0, [&](auto kernel_of, size_t shared) {
     const LaunchPlan plan = plan_launch(x, n, resident);
-    cuda_on_cpu::launch(decltype(kernel_of)::kernel, static_cast<unsigned>(plan.blocks),
-                        kThreads, shared, x, n, plan.head, buffers);
+    cuda_on_cpu::launch(decltype(kernel_of)::kernel, static_cast<unsigned>(plan.blocks), kThreads,
+                        shared, x, n, plan.head, buffers);
   });
+}
+
+// Kernels that break a rule of CUDA, to show that the emulation catches each.
+__global__ void shuffle_outside_its_mask() {
+  // Lane 1 reads lane 2, which the mask leaves out.
+  if (threadIdx.x < 2) __shfl_down_sync(0x3u, 1.0, 1);
+}
+__global__ void shuffle_beside_a_barrier() {
+  // Lane 0 waits for the warp at a shuffle while the others wait at a barrier: a deadlock.
+  if (threadIdx.x == 0) {
+    __shfl_down_sync(0xffffffffu, 1.0, 1);
+  } else {
+    __syncthreads();
+  }
+}
+__global__ void lane_outside_the_mask_calls() {
+  if (threadIdx.x == 5) __match_any_sync(0x1u, 0);
 }
 
 StreamRegions& regions() {
@@ -50,7 +67,24 @@ void harness_counts(int64_t* out) {
   for (int i = 0; i < 6; ++i) out[i] = values[i];
 }
 
-const char* harness_first_error() { return cuda_on_cpu::first_error().c_str(); }
+// Runs rule breaker `which` (0, 1 or 2) on one block of 32 threads.
+void harness_break_a_rule(int which) {
+  if (which == 0) cuda_on_cpu::launch(shuffle_outside_its_mask, 1, 32, 0);
+  if (which == 1) cuda_on_cpu::launch(shuffle_beside_a_barrier, 1, 32, 0);
+  if (which == 2) cuda_on_cpu::launch(lane_outside_the_mask_calls, 1, 32, 0);
+}
+
+// The launch plan (plan_launch) of n values of `dtype` at `x`: out = {head, blocks}.
+void harness_plan(int dtype, const void* x, int64_t n, int64_t resident, int64_t* out) {
+  LaunchPlan plan{};
+  if (dtype == 0) plan = plan_launch(static_cast<const float*>(x), n, resident);
+  if (dtype == 1) plan = plan_launch(static_cast<const double*>(x), n, resident);
+  if (dtype >= 2) plan = plan_launch(static_cast<const torch::headeronly::Half*>(x), n, resident);
+  out[0] = plan.head;
+  out[1] = plan.blocks;
+}
+
+const char* harness_last_error() { return cuda_on_cpu::last_error().c_str(); }
 
 // The region a call from `stream` gets (stream_regions.h), or -1 with the message in `error`.
 int64_t harness_region_of(const void* workspace, unsigned long long stream, int capturing,
