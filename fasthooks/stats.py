@@ -51,8 +51,6 @@ def _buffer_device(model: nn.Module, modules: list[nn.Module]) -> torch.device:
                 "ActivationStats per process, then act.all_reduce())"
             )
     devices = {p.device for m in modules for p in m.parameters(recurse=False)}
-    # A model on the meta device computes nothing to record; its statistics read NaN.
-    devices = {torch.device("cpu") if d.type == "meta" else d for d in devices}
     if len(devices) > 1:
         names = ", ".join(sorted(str(d) for d in devices))
         raise ValueError(
@@ -60,9 +58,8 @@ def _buffer_device(model: nn.Module, modules: list[nn.Module]) -> torch.device:
             "its buffers on one device. Give each device an ActivationStats of its own, with "
             "modules= the modules on that device"
         )
-    if devices:
-        return devices.pop()
-    device = next(model.parameters(), torch.empty(0)).device
+    device = devices.pop() if devices else next(model.parameters(), torch.empty(0)).device
+    # A model on the meta device computes nothing to record; its statistics read NaN.
     return torch.device("cpu") if device.type == "meta" else device
 
 

@@ -279,6 +279,12 @@ def test_only_requested_extras_are_returned_and_hist_needs_bins():
             ValueError,
             "hist_range: 10 bins over",
         ),
+        (
+            {"hist_bins": 4, "hist_range": (-1e39, 1e39)},
+            ValueError,
+            r"hist_range must lie within float32's range and span at most 3.403e\+38",
+        ),
+        ({"hist_range": (-3e38, 3e38)}, ValueError, "hist_range must lie within float32's"),
         ({"near_zero": "small"}, TypeError, "near_zero must be a number, got str"),
         ({"near_zero": math.nan}, ValueError, "near_zero must not be NaN"),
     ],
@@ -351,3 +357,22 @@ def test_every_statistic_at_every_scale(accumulate, dtype, scale, device):
     assert extra["near_zero"] == pytest.approx(want["near_zero"], rel=1e-6)
     assert abs(extra["kurtosis"] - want["kurtosis"]) <= 1e-4 * want["kurtosis"], extra
     assert b.nonfinite()[0, 0].item() == 0
+
+
+@FUSED
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_histogram_range_beyond_float32_is_refused_for_reduced_precision(dtype):
+    """Reduced-precision values are binned in float32, which cannot hold such edges (the check is
+    the CPU and CUDA kernels' own)."""
+    b = StatBuffers(1, 1, "cpu", full=True, hist_bins=4)
+    with pytest.raises(RuntimeError, match="hist_min and hist_max must lie within float32's"):
+        accumulate_stats(torch.randn(100).to(dtype), *b.op_args(), 0, 0.05, -1e39, 1e39)
+    assert (b.hist == 0).all()
+
+
+@pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
+def test_float64_values_are_binned_right_beyond_float32(accumulate):
+    b = StatBuffers(1, 1, "cpu", full=True, hist_bins=4)
+    x = torch.randn(1000, dtype=torch.float64)
+    accumulate(x, *b.op_args(), 0, 0.05, -1e39, 1e39)
+    assert b.hist[0, 0].tolist() == [0, int((x < 0).sum()), int((x >= 0).sum()), 0]

@@ -1,5 +1,6 @@
 """Bad inputs and faults: each row of docs/robustness.md, on both backends."""
 
+import copy
 import dataclasses
 import gc
 import math
@@ -301,3 +302,39 @@ def test_an_exception_before_the_first_batch_end_adds_no_warning(backend):
             model(torch.randn(2, 6))
             raise ArithmeticError("loss is NaN")
     assert not model[0]._forward_hooks and act.num_batches == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_copy_of_a_hooked_module_is_left_out_and_said_once(backend):
+    """copy.deepcopy (an EMA model, say) carries the hooks along; nn.DataParallel's replicas
+    too. Their calls are not recorded, with one warning, and the run goes on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(16, 4)
+    with ActivationStats(model, backend=backend) as act:
+        twin = copy.deepcopy(model)
+        model(x)
+        with pytest.warns(RuntimeWarning, match="a Linear that this run did not hook"):
+            twin(x * 100)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            twin(x * 100)
+        act.on_batch_end()
+    want = torch.tensor(reference_moments(model[0](x)), dtype=torch.float64)
+    torch.testing.assert_close(act.stats[:, 0, 0].double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_data_parallel_over_several_gpus_is_refused_with_what_to_do():
+    model = nn.DataParallel(nn.Sequential(nn.Linear(4, 4)))
+    model.device_ids = [0, 1]  # as on a machine with two GPUs
+    with pytest.raises(ValueError, match="nn.DataParallel over several GPUs.*DistributedDataPar"):
+        ActivationStats(model, backend="python").on_train_begin()
+
+
+def test_modules_on_several_devices_are_refused_with_what_to_do():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"several devices \(cpu, meta\).*modules= the modules"):
+        ActivationStats(model, backend="python").on_train_begin()
+    act = ActivationStats(model, modules=[model[0], model[2]], backend="python")
+    act.on_train_begin()  # the modules of one device
+    act.on_train_end()
