@@ -26,7 +26,7 @@ CUDA_ARCHS ?= 8.0;9.0
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor-cache
 export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 
-.PHONY: setup build install demo test test-quick test-cpu test-isa test-cuda-build test-wheel wheel lint bench bench-train bench-quick bench-cpu bench-abi clean
+.PHONY: setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa test-cuda-build test-wheel wheel lint bench bench-train bench-quick bench-cpu bench-abi clean
 
 $(VENV)/.ready: Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -60,11 +60,17 @@ test-cpu: build
 		$(VENV)/bin/python -m pytest --doctest-modules fasthooks tests
 
 # The edit-and-test loop: lint, then the suite without its large tensors, subprocess-heavy
-# checks and framework runs (a few minutes at most).
+# checks, framework runs and the CUDA device code on the CPU (a few minutes at most).
 test-quick: lint build
-	$(VENV)/bin/python -m pytest -q -x -m "not slow" --doctest-modules fasthooks tests \
+	$(VENV)/bin/python -m pytest -q -x -m "not slow and not cuda_on_cpu" --doctest-modules \
+		fasthooks tests \
 		--ignore-glob='tests/test_integration_*' --ignore=tests/test_readme_examples.py \
 		--ignore=tests/test_benchmarks.py --ignore=tests/test_distributed.py
+
+# The CUDA kernels' device code run on the CPU against the Python backend (tests/cuda_on_cpu/;
+# part of test-cpu), about 2 minutes.
+test-cuda-on-cpu: build
+	$(VENV)/bin/python -m pytest -q -m cuda_on_cpu tests
 
 # The CPU kernel tests natively, under qemu-user as CPUs without AVX-512 (Haswell) and without
 # AVX (Nehalem), each checked to pick its kernel build, and on aarch64 (cross-built against
@@ -83,12 +89,15 @@ $(CUDA_VENV)/.ready: Makefile
 	touch $@
 
 # No GPU needed: compiles the CUDA kernels against torch's CUDA build, loads them, checks that
-# the operator has a CUDA kernel, then runs the suite on the CPU against that same build.
+# the operator has a CUDA kernel and that each kernel's registers match the README, then runs the
+# suite on the CPU against that same build (the CUDA device code's own run on the CPU is
+# test-cpu's).
 test-cuda-build: $(CUDA_VENV)/.ready
 	CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="$(CUDA_ARCHS)" \
 		$(CUDA_VENV)/bin/python setup.py -q build --build-base build/cuda --build-lib $(CUDA_LIB)
 	PYTHONPATH=$(CUDA_LIB) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_CUDA_KERNEL=1 \
-		$(CUDA_VENV)/bin/pytest -p no:cacheprovider --ignore=tests/test_model_zoo.py
+		CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} $(CUDA_VENV)/bin/pytest -p no:cacheprovider \
+		-m "not cuda_on_cpu" --ignore=tests/test_model_zoo.py
 
 # One abi3 wheel for this platform, built against the CPU torch; it serves every torch >= 2.10.
 wheel: $(VENV)/.ready
@@ -103,7 +112,7 @@ test-wheel: wheel $(CUDA_VENV)/.ready
 		dist/fasthooks-*-abi3-*.whl 2>&1 | $(PIP_FILTER)
 	PYTHONPATH=$(WHEEL_CHECK) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_WHEEL_DIR=$(WHEEL_CHECK) \
 		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU:torch==%=%) FASTHOOKS_REQUIRE_MODEL_ZOO=1 \
-		$(CUDA_VENV)/bin/pytest -p no:cacheprovider
+		$(CUDA_VENV)/bin/pytest -p no:cacheprovider -m "not cuda_on_cpu"
 
 test: lint test-cpu test-isa test-wheel test-cuda-build
 

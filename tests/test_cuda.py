@@ -109,3 +109,52 @@ def test_compiled_cuda_model_matches_eager(backend):
         stats.append(act.stats)
     assert len(graphs) == 1
     torch.testing.assert_close(stats[1], stats[0], rtol=1e-4, atol=1e-5)
+
+
+def test_cuda_graph_replayed_past_its_buffers_drops_calls_and_says_so():
+    """Past the capacity it was captured with, a replay writes nothing and the CUDA context
+    stays usable; reading says how many calls were dropped."""
+    model = _net()
+    static_x = torch.randn(8, 3, 32, 32, device="cuda")
+    act = ActivationStats(model, backend="fused", expected_batches=2)
+    act.on_train_begin()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model(static_x)
+        act.on_batch_end(train=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model(static_x)
+    act.on_batch_end(train=False)
+    for _ in range(4):  # the buffers grow after two; the graph keeps the first ones
+        graph.replay()
+        act.on_batch_end(train=True)
+    with pytest.warns(RuntimeWarning, match=r"hooked calls were not recorded.*expected_batches"):
+        stats = act.stats
+    act.on_train_end()
+    assert not stats[:, :, :2].isnan().any()
+    assert torch.ones(1, device="cuda").item() == 1.0  # the context still works
+
+
+def test_hooks_on_two_streams_at_once_stay_apart():
+    torch.manual_seed(0)
+    first, second = _net(), _net()
+    act = ActivationStats(nn.ModuleList([first, second]), backend="fused")
+    x = torch.randn(64, 3, 32, 32, device="cuda")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    act.on_train_begin()
+    for _ in range(3):
+        for stream, net in zip(streams, (first, second), strict=True):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                net(x)
+        for stream in streams:
+            torch.cuda.current_stream().wait_stream(stream)
+        act.on_batch_end()
+    act.on_train_end()
+    with hook_outputs(act.modules) as outputs:
+        first(x), second(x)
+        want = reference_stats([list(outputs.stored)])
+    torch.testing.assert_close(act.stats.double(), want.expand(-1, -1, 3), rtol=2e-5, atol=1e-6)

@@ -17,7 +17,6 @@ import weakref
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -77,6 +76,8 @@ def _build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("the CUDA-on-CPU harness needs a C++ compiler (g++) on PATH")
+    from torch.utils import cpp_extension  # imports setuptools: only when building
+
     BUILD.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.tmp")
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{ROOT / 'csrc'}"]
