@@ -33,6 +33,10 @@ cat "$out/setup.log"
 stage build 300 "$out/setup.log" env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
   "$python" setup.py -q build_ext --inplace
 
+# Registers and spills of each kernel for this GPU's architecture, beside the README's table.
+arch=$("$python" -c "import torch; print('%d%d' % torch.cuda.get_device_capability())" 2>/dev/null)
+stage resources 120 "$out/setup.log" "$python" benchmarks/cuda_resources.py --archs "${arch:-90}"
+
 stage tests 300 "$out/tests.log" env FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_CUDA_KERNEL=1 \
   "$python" -m pytest -q -p no:cacheprovider -m cuda -rfE tests
 

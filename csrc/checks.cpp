@@ -106,6 +106,38 @@ Tensor dense_values(const Tensor& x) {
   return is_non_overlapping_and_dense(x) ? x : torch::stable::contiguous(x);
 }
 
+void check_list_lengths(const std::vector<Tensor>& xs, const std::vector<Tensor>& bases,
+                        const Tensor& state) {
+  FASTHOOKS_CHECK(state.dim() == 3 && static_cast<int64_t>(xs.size()) <= state.size(1),
+                  "accumulate_stats_list: xs has ", xs.size(),
+                  " tensors, more than the state's slots (", state.dim() == 3 ? state.size(1) : 0,
+                  ")");
+  FASTHOOKS_CHECK(bases.empty() || bases.size() == xs.size(),
+                  "accumulate_stats_list: bases must be empty or hold one tensor per xs, got ",
+                  bases.size(), " for ", xs.size());
+  FASTHOOKS_CHECK(bases.empty() || xs.empty() || state.size(0) == kFullPlanes,
+                  "accumulate_stats_list: differences from bases need every statistic (a 9-plane "
+                  "state), got a ",
+                  state.size(0), "-plane state");
+}
+
+DensePair dense_pair(const Tensor& x, const Tensor& base, size_t index) {
+  const auto sizes = x.sizes();
+  const auto base_sizes = base.sizes();
+  FASTHOOKS_CHECK(dtype_of(base) == dtype_of(x) && place_of(base) == place_of(x) &&
+                      std::equal(sizes.begin(), sizes.end(), base_sizes.begin(), base_sizes.end()),
+                  "accumulate_stats_list: bases[", index, "] must match xs[", index,
+                  "] in dtype, shape and device: got ", base.scalar_type(), " of shape ",
+                  shape_of(base), " on ", device_of(base), " for ", x.scalar_type(), " of shape ",
+                  shape_of(x), " on ", device_of(x));
+  const auto strides = x.strides();
+  const auto base_strides = base.strides();
+  const bool same_order =
+      std::equal(strides.begin(), strides.end(), base_strides.begin(), base_strides.end());
+  if (same_order && is_non_overlapping_and_dense(x)) return {x, base};
+  return {torch::stable::contiguous(x), torch::stable::contiguous(base)};
+}
+
 bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& stats,
                            const Tensor& extra, const Tensor& hist, const Tensor& workspace,
                            const Tensor& cursor, int64_t slot, double hist_min, double hist_max) {

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace fasthooks {
 
@@ -45,6 +46,19 @@ std::string device_of(const Tensor& t);
 // x itself when its elements fill a block of memory without gaps or overlaps, in any order
 // (statistics ignore element order, so channels_last is read in place), else a contiguous copy.
 Tensor dense_values(const Tensor& x);
+
+// For the difference of x and base (base's values subtracted from x's): base checked against x
+// (same dtype, shape and device), and the two read in one order: in place where their strides
+// agree and fill memory without gaps, else both as contiguous copies. `index` names them in errors.
+struct DensePair {
+  Tensor x;
+  Tensor base;
+};
+DensePair dense_pair(const Tensor& x, const Tensor& base, size_t index);
+
+// accumulate_stats_list: no more tensors than slots, and bases empty or one per tensor.
+void check_list_lengths(const std::vector<Tensor>& xs, const std::vector<Tensor>& bases,
+                        const Tensor& state);
 
 // Checks every argument but the cursor's value, which is checked where it can be read. Returns
 // whether every statistic is wanted (a 9-plane state with an extras buffer) or mean and std only.

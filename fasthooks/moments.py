@@ -188,3 +188,59 @@ def accumulate_stats_python(
     if hist.numel() > 0:
         counts = histogram(x, hist.shape[2], hist_min, hist_max)
         hist[slot].index_add_(0, column, counts.unsqueeze(0))
+
+
+def accumulate_stats_list_python(
+    xs: list[torch.Tensor],
+    bases: list[torch.Tensor],
+    state: torch.Tensor,
+    stats: torch.Tensor,
+    extra: torch.Tensor,
+    hist: torch.Tensor,
+    workspace: torch.Tensor,
+    cursor: torch.Tensor,
+    near_zero: float,
+    hist_min: float,
+    hist_max: float,
+) -> None:
+    """`xs[i]` into slot i, as `accumulate_stats_python`; with `bases`, the statistics of
+    `xs[i] - bases[i]`, the difference taken in float32 (float64 for float64 tensors).
+
+    Example:
+        >>> from fasthooks.buffers import StatBuffers
+        >>> b = StatBuffers(2, 1, "cpu", full=False, hist_bins=0)
+        >>> after, before = [torch.tensor([3.0, 5.0])], [torch.tensor([1.0, 1.0])]
+        >>> accumulate_stats_list_python(after, before, *b.op_args(), 0.05, 0.0, 1.0)
+        >>> b.stats[:, 0, 0].tolist()
+        [3.0, 1.4142135381698608]
+    """
+    if len(xs) > state.shape[1]:
+        raise ValueError(
+            f"accumulate_stats_list: xs has {len(xs)} tensors, more than the state's slots "
+            f"({state.shape[1]})"
+        )
+    if bases and len(bases) != len(xs):
+        raise ValueError(
+            f"accumulate_stats_list: bases must be empty or hold one tensor per xs, got "
+            f"{len(bases)} for {len(xs)}"
+        )
+    if bases and xs and state.shape[0] != len(STATE_PLANES):
+        raise ValueError(
+            "accumulate_stats_list: differences from bases need every statistic (a 9-plane "
+            f"state), got a {state.shape[0]}-plane state"
+        )
+    for slot, (x, base) in enumerate(zip(xs, bases, strict=False)):  # all checked first
+        if base.dtype != x.dtype or base.shape != x.shape or base.device != x.device:
+            raise ValueError(
+                f"accumulate_stats_list: bases[{slot}] must match xs[{slot}] in dtype, shape "
+                f"and device: got {base.dtype} of shape {tuple(base.shape)} on {base.device} "
+                f"for {x.dtype} of shape {tuple(x.shape)} on {x.device}"
+            )
+    for slot, x in enumerate(xs):
+        if bases:
+            base = bases[slot]
+            working = torch.float64 if x.dtype == torch.float64 else torch.float32
+            x = x.detach().to(working) - base.detach().to(working)
+        accumulate_stats_python(
+            x, state, stats, extra, hist, workspace, cursor, slot, near_zero, hist_min, hist_max
+        )

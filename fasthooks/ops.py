@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from .moments import accumulate_stats_python
+from .moments import accumulate_stats_list_python, accumulate_stats_python
 from .torch_support import MIN_TORCH, MIN_TORCH_TEXT, torch_version
 
 # (x, state, stats, extra, hist, workspace, cursor, slot, near_zero, hist_min, hist_max)
@@ -61,6 +61,17 @@ if _LOAD_ERROR is None:
                     f"accumulate_stats: {name} must be on the state's device {state.device}, "
                     f"got {t.device}"
                 )
+
+    @torch.library.register_fake("fasthooks::accumulate_stats_list")
+    def _accumulate_stats_list_fake(xs, bases, *args: object) -> None:
+        state = args[0]
+        for name, tensors in (("xs", xs), ("bases", bases)):
+            for i, t in enumerate(tensors):
+                if t.device != state.device:
+                    raise RuntimeError(
+                        f"accumulate_stats_list: {name}[{i}] must be on the state's device "
+                        f"{state.device}, got {t.device}"
+                    )
 
 
 def extension_available() -> bool:
@@ -148,6 +159,14 @@ def _warn_broken_extension() -> None:
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+def resolve_list_backend(backend: str) -> Accumulate:
+    """`accumulate_stats_list` of the backend that `resolve_backend(backend)` picks."""
+    name, _ = resolve_backend(backend)
+    if name == "python":
+        return accumulate_stats_list_python
+    return torch.ops.fasthooks.accumulate_stats_list.default
 
 
 def resolve_backend(backend: str) -> tuple[str, Accumulate]:

@@ -174,7 +174,7 @@ class ActivationStats(HookCallback):
         extra: names from "min", "max", "near_zero", "nonfinite", "kurtosis".
         near_zero: the threshold of "near_zero" (default 0.05, fastai v2's).
         hist_bins: histogram bins, 0 (default) for none, at most 2048.
-        hist_range: the histogram's (lo, hi), default (0.0, 10.0).
+        hist_range: the histogram's (lo, hi), default (0.0, 10.0), within float32's range.
         every: record every N-th training batch (default 1: all of them).
         is_forward: False records the statistics of each module's output gradient.
         skip_frozen: True leaves out modules in eval mode inside a training model (frozen

@@ -27,14 +27,14 @@ void flush_rows(std::vector<uint32_t>& rows, std::vector<int64_t>& counts) {
   std::fill(rows.begin(), rows.end(), 0u);
 }
 
-template <bool Full, typename T, typename Acc>
-Stats dense_stats(const T* p, int64_t n, ChunkFn<T, Acc> kernel, const ChunkParams<Acc>& params,
-                  std::vector<int64_t>& counts) {
-  const bool hist = params.bins != nullptr;
+// Statistics of n values taken a chunk at a time: chunk(start, length, rows) gives those of
+// values [start, start + length) and counts their bins into lane rows (null without a histogram).
+template <bool Full, typename Chunk>
+Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_t>& counts) {
   const size_t rows_size = hist ? kHistLanes * (counts.size() + 1) : 0;
   if (n <= kChunk) {  // a hook's typical call: no thread hand-off
     std::vector<uint32_t> rows(rows_size);
-    const Stats s = kernel(p, n, params, hist ? rows.data() : nullptr);
+    const Stats s = chunk(0, n, hist ? rows.data() : nullptr);
     if (hist) flush_rows(rows, counts);
     return s;
   }
@@ -46,8 +46,8 @@ Stats dense_stats(const T* p, int64_t n, ChunkFn<T, Acc> kernel, const ChunkPara
     std::vector<int64_t> local(counts.size());
     for (int64_t c = begin; c < end; ++c) {
       const int64_t start = c * kChunk;
-      parts[c] = kernel(p + start, n - start < kChunk ? n - start : kChunk, params,
-                        hist ? rows.data() : nullptr);
+      parts[c] =
+          chunk(start, n - start < kChunk ? n - start : kChunk, hist ? rows.data() : nullptr);
       if (hist && ((c - begin + 1) % kChunksPerFlush == 0 || c + 1 == end)) {
         flush_rows(rows, local);
       }
@@ -63,10 +63,33 @@ Stats dense_stats(const T* p, int64_t n, ChunkFn<T, Acc> kernel, const ChunkPara
   return total;
 }
 
+// The statistics of p's n values, or of p's minus base's (taken in Acc a chunk at a time into a
+// buffer that stays in cache, so each value is read once from memory), merged into the slot.
 template <bool Full, typename T, typename Acc>
-void merge_into_slot(const T* p, int64_t n, ChunkFn<T, Acc> kernel, const ChunkParams<Acc>& params,
+void merge_into_slot(const T* p, const T* base, int64_t n, ChunkFn<T, Acc> kernel,
+                     ChunkFn<Acc, Acc> difference_kernel, const ChunkParams<Acc>& params,
                      std::vector<int64_t>& counts, const SlotPointers& slot) {
-  const Stats batch = dense_stats<Full>(p, n, kernel, params, counts);
+  const bool hist = params.bins != nullptr;
+  Stats batch;
+  if (base == nullptr) {
+    batch = chunked_stats<Full>(
+        n, hist,
+        [&](int64_t start, int64_t length, uint32_t* rows) {
+          return kernel(p + start, length, params, rows);
+        },
+        counts);
+  } else {
+    batch = chunked_stats<Full>(
+        n, hist,
+        [&](int64_t start, int64_t length, uint32_t* rows) {
+          thread_local std::vector<Acc> difference(kChunk);
+          for (int64_t i = 0; i < length; ++i) {
+            difference[i] = static_cast<Acc>(p[start + i]) - static_cast<Acc>(base[start + i]);
+          }
+          return difference_kernel(difference.data(), length, params, rows);
+        },
+        counts);
+  }
   store_slot<Full>(slot, merge<Full>(load_slot<Full>(slot), batch));
 }
 
@@ -106,10 +129,30 @@ int64_t exact_origin(const BinTable<Acc>& table, double lo, double hi) {
   return static_cast<int64_t>(origin);
 }
 
+// The slot (slot, cursor) of the buffers, checked.
+struct Destination {
+  SlotPointers slot;
+  int64_t hist_offset;
+};
+
+Destination destination(const Tensor& state, const Tensor& stats, const Tensor& extra,
+                        const Tensor& hist, const Tensor& cursor, int64_t slot, bool full) {
+  const int64_t column = *static_cast<const int64_t*>(cursor.const_data_ptr());
+  const int64_t batches = state.size(2);
+  FASTHOOKS_CHECK(column >= 0 && column < batches, "accumulate_stats: cursor must be in [0, ",
+                  batches, "), got ", column);
+  const int64_t cell = slot * batches + column;
+  const int64_t plane = state.size(1) * batches;
+  const SlotPointers at{static_cast<double*>(state.mutable_data_ptr()) + cell, plane,
+                        static_cast<float*>(stats.mutable_data_ptr()) + cell, plane,
+                        full ? static_cast<float*>(extra.mutable_data_ptr()) + cell : nullptr};
+  return {at, hist.numel() > 0 ? cell * hist.size(2) : 0};
+}
+
 template <typename T, typename Acc>
-void accumulate(const Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bool full,
-                const SlotPointers& slot, double near_zero, const Tensor& hist, int64_t hist_offset,
-                double hist_min, double hist_max) {
+void accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const (&kernels)[2],
+                ChunkFn<Acc, Acc> const (&difference_kernels)[2], bool full, const Destination& to,
+                double near_zero, const Tensor& hist, double hist_min, double hist_max) {
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
   std::vector<Acc> lower;  // empty, and no allocation, without a histogram
   for (int64_t k = 0; bins > 0 && k <= bins; ++k) {
@@ -122,14 +165,47 @@ void accumulate(const Tensor& dense, ChunkFn<T, Acc> const (&kernels)[2], bool f
       bins > 0 ? exact_origin(table, hist_min, hist_max) : kNoExactOrigin};
   std::vector<int64_t> counts(bins);
   const T* p = static_cast<const T*>(dense.const_data_ptr());
+  const T* b = base != nullptr ? static_cast<const T*>(base->const_data_ptr()) : nullptr;
+  const int f = full ? 1 : 0;
   if (full) {
-    merge_into_slot<true>(p, dense.numel(), kernels[1], params, counts, slot);
+    merge_into_slot<true>(p, b, dense.numel(), kernels[f], difference_kernels[f], params, counts,
+                          to.slot);
   } else {
-    merge_into_slot<false>(p, dense.numel(), kernels[0], params, counts, slot);
+    merge_into_slot<false>(p, b, dense.numel(), kernels[f], difference_kernels[f], params, counts,
+                           to.slot);
   }
   int64_t* row =
-      hist.numel() > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) + hist_offset : nullptr;
+      bins > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) + to.hist_offset : nullptr;
   for (int64_t k = 0; k < bins; ++k) row[k] += counts[k];
+}
+
+// One tensor's statistics (of x, or of x - *base) into slot (slot, cursor).
+void accumulate_one(const Tensor& x, const Tensor* base, const Tensor& state, const Tensor& stats,
+                    const Tensor& extra, const Tensor& hist, const Tensor& cursor, int64_t slot,
+                    bool full, double near_zero, double hist_min, double hist_max) {
+  const Destination to = destination(state, stats, extra, hist, cursor, slot, full);
+  if (x.numel() == 0) return;
+  Tensor dense = dense_values(x);
+  Tensor dense_base;
+  if (base != nullptr) {
+    DensePair pair = dense_pair(x, *base, static_cast<size_t>(slot));
+    dense = pair.x;
+    dense_base = pair.base;
+  }
+  const Tensor* b = base != nullptr ? &dense_base : nullptr;
+  const ChunkKernels& k = cpu_kernels();
+  switch (dtype_of(dense)) {
+    case ScalarType::Float:
+      return accumulate(dense, b, k.f32, k.f32, full, to, near_zero, hist, hist_min, hist_max);
+    case ScalarType::Double:
+      return accumulate(dense, b, k.f64, k.f64, full, to, near_zero, hist, hist_min, hist_max);
+    case ScalarType::Half:
+      return accumulate(dense, b, k.f16, k.f32, full, to, near_zero, hist, hist_min, hist_max);
+    case ScalarType::BFloat16:
+      return accumulate(dense, b, k.bf16, k.f32, full, to, near_zero, hist, hist_min, hist_max);
+    default:
+      fail("accumulate_stats: unsupported dtype ", dense.scalar_type());
+  }
 }
 
 void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& stats,
@@ -138,34 +214,24 @@ void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& st
                           double hist_max) {
   const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
                                           hist_min, hist_max);
-  const int64_t column = *static_cast<const int64_t*>(cursor.const_data_ptr());
-  const int64_t batches = state.size(2);
-  FASTHOOKS_CHECK(column >= 0 && column < batches, "accumulate_stats: cursor must be in [0, ",
-                  batches, "), got ", column);
-  if (x.numel() == 0) return;
-  const int64_t cell = slot * batches + column;
-  const int64_t plane = state.size(1) * batches;
-  const SlotPointers at_slot{static_cast<double*>(state.mutable_data_ptr()) + cell, plane,
-                             static_cast<float*>(stats.mutable_data_ptr()) + cell, plane,
-                             full ? static_cast<float*>(extra.mutable_data_ptr()) + cell : nullptr};
-  const int64_t hist_offset = hist.numel() > 0 ? cell * hist.size(2) : 0;
-  const Tensor dense = dense_values(x);
-  const ChunkKernels& k = cpu_kernels();
-  switch (dtype_of(dense)) {
-    case ScalarType::Float:
-      return accumulate(dense, k.f32, full, at_slot, near_zero, hist, hist_offset, hist_min,
-                        hist_max);
-    case ScalarType::Double:
-      return accumulate(dense, k.f64, full, at_slot, near_zero, hist, hist_offset, hist_min,
-                        hist_max);
-    case ScalarType::Half:
-      return accumulate(dense, k.f16, full, at_slot, near_zero, hist, hist_offset, hist_min,
-                        hist_max);
-    case ScalarType::BFloat16:
-      return accumulate(dense, k.bf16, full, at_slot, near_zero, hist, hist_offset, hist_min,
-                        hist_max);
-    default:
-      fail("accumulate_stats: unsupported dtype ", dense.scalar_type());
+  accumulate_one(x, nullptr, state, stats, extra, hist, cursor, slot, full, near_zero, hist_min,
+                 hist_max);
+}
+
+void accumulate_stats_list_cpu(std::vector<Tensor> xs, std::vector<Tensor> bases,
+                               const Tensor& state, const Tensor& stats, const Tensor& extra,
+                               const Tensor& hist, const Tensor& workspace, const Tensor& cursor,
+                               double near_zero, double hist_min, double hist_max) {
+  check_list_lengths(xs, bases, state);
+  bool full = false;
+  for (size_t i = 0; i < xs.size(); ++i) {  // every tensor checked before any is counted
+    full = check_accumulate_args(xs[i], state, stats, extra, hist, workspace, cursor,
+                                 static_cast<int64_t>(i), hist_min, hist_max);
+    if (!bases.empty()) dense_pair(xs[i], bases[i], i);
+  }
+  for (size_t i = 0; i < xs.size(); ++i) {
+    accumulate_one(xs[i], bases.empty() ? nullptr : &bases[i], state, stats, extra, hist, cursor,
+                   static_cast<int64_t>(i), full, near_zero, hist_min, hist_max);
   }
 }
 
@@ -173,6 +239,7 @@ void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& st
 
 STABLE_TORCH_LIBRARY_IMPL(fasthooks, CPU, m) {
   m.impl("accumulate_stats", TORCH_BOX(&accumulate_stats_cpu));
+  m.impl("accumulate_stats_list", TORCH_BOX(&accumulate_stats_list_cpu));
 }
 
 }  // namespace fasthooks

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include "../checks.h"
 #include "accumulate_kernel.cuh"
@@ -51,13 +52,15 @@ CallOrigin origin_of(cudaStream_t stream) {
   return {reinterpret_cast<uintptr_t>(stream), status != cudaStreamCaptureStatusNone};
 }
 
-// One launch of the kernel for T on `stream`.
+// One launch of the kernel for T on `stream`, over x (minus base, when given).
 template <typename T>
-void launch(const Tensor& dense, const Buffers& buffers, bool full, cudaStream_t stream) {
-  const T* x = static_cast<const T*>(dense.const_data_ptr());
-  const int64_t n = dense.numel();
-  const int device = dense.get_device_index();
-  with_kernel<T>(full, buffers.bins > 0, [&](auto kernel_of, size_t shared) {
+void launch(const Tensor& x, const Tensor* base, const Buffers& buffers, bool full,
+            cudaStream_t stream) {
+  const T* p = static_cast<const T*>(x.const_data_ptr());
+  const T* b = base != nullptr ? static_cast<const T*>(base->const_data_ptr()) : nullptr;
+  const int64_t n = x.numel();
+  const int device = x.get_device_index();
+  with_kernel<T>(full, buffers.bins > 0, b != nullptr, [&](auto kernel_of, size_t shared) {
     constexpr auto kernel = decltype(kernel_of)::kernel;
     // As many blocks as can be resident at once (asked once per kernel): the grid-stride loops
     // cover the rest.
@@ -67,18 +70,22 @@ void launch(const Tensor& dense, const Buffers& buffers, bool full, cudaStream_t
                  "reading the kernel's occupancy");
       return blocks;
     }();
-    const LaunchPlan plan = plan_launch(x, n, multiprocessors(device) * blocks_per_sm);
-    kernel<<<static_cast<int>(plan.blocks), kThreads, shared, stream>>>(x, n, plan.head, buffers);
+    const LaunchPlan plan = plan_launch(p, b, n, multiprocessors(device) * blocks_per_sm);
+    kernel<<<static_cast<int>(plan.blocks), kThreads, shared, stream>>>(p, b, n, plan.head,
+                                                                        buffers);
     check_cuda(cudaGetLastError(), "kernel launch");
   });
 }
 
-void accumulate_stats_cuda(const Tensor& x, const Tensor& state, const Tensor& stats,
-                           const Tensor& extra, const Tensor& hist, const Tensor& workspace,
-                           const Tensor& cursor, int64_t slot, double near_zero, double hist_min,
-                           double hist_max) {
-  const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
-                                          hist_min, hist_max);
+// The workspace of a call and everything it checks beyond check_accumulate_args.
+struct Call {
+  cudaStream_t stream;
+  double* workspace;
+  int64_t region;
+  int64_t bins;
+};
+
+Call prepare(const Tensor& workspace, const Tensor& hist, int device) {
   FASTHOOKS_CHECK(dtype_of(workspace) == ScalarType::Double && workspace.is_contiguous() &&
                       workspace.numel() == kWorkspaceDoubles,
                   "accumulate_stats: workspace must be a zeroed contiguous float64 tensor of ",
@@ -89,31 +96,78 @@ void accumulate_stats_cuda(const Tensor& x, const Tensor& state, const Tensor& s
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
   FASTHOOKS_CHECK(bins <= kMaxBins, "accumulate_stats: at most ", kMaxBins, " bins on CUDA, got ",
                   bins);
-  if (x.numel() == 0) return;
-  const int device = x.get_device_index();
-  const torch::stable::accelerator::DeviceGuard guard(device);
-  const cudaStream_t stream = current_stream(device);
   static StreamRegions regions(kRegions);
+  const cudaStream_t stream = current_stream(device);
   double* space = static_cast<double*>(workspace.mutable_data_ptr());
+  return {stream, space, regions.region_of(space, origin_of(stream)), bins};
+}
+
+// x's statistics (minus base, when given) into slot (slot, cursor).
+void accumulate_one(const Tensor& x, const Tensor* base, const Tensor& state, const Tensor& stats,
+                    const Tensor& extra, const Tensor& hist, const Tensor& cursor, int64_t slot,
+                    bool full, const Call& call, double near_zero, double hist_min,
+                    double hist_max) {
+  if (x.numel() == 0) return;
   const Buffers buffers = buffers_for(
       static_cast<double*>(state.mutable_data_ptr()), static_cast<float*>(stats.mutable_data_ptr()),
       full ? static_cast<float*>(extra.mutable_data_ptr()) : nullptr,
-      bins > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) : nullptr,
-      static_cast<const int64_t*>(cursor.const_data_ptr()), space,
-      regions.region_of(space, origin_of(stream)), slot, state.size(1), state.size(2), bins,
-      near_zero, hist_min, hist_max);
-  const Tensor dense = dense_values(x);
+      call.bins > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) : nullptr,
+      static_cast<const int64_t*>(cursor.const_data_ptr()), call.workspace, call.region, slot,
+      state.size(1), state.size(2), call.bins, near_zero, hist_min, hist_max);
+  Tensor dense = dense_values(x);
+  Tensor dense_base;
+  if (base != nullptr) {
+    DensePair pair = dense_pair(x, *base, static_cast<size_t>(slot));
+    dense = pair.x;
+    dense_base = pair.base;
+  }
+  const Tensor* b = base != nullptr ? &dense_base : nullptr;
   switch (dtype_of(dense)) {
     case ScalarType::Float:
-      return launch<float>(dense, buffers, full, stream);
+      return launch<float>(dense, b, buffers, full, call.stream);
     case ScalarType::Double:
-      return launch<double>(dense, buffers, full, stream);
+      return launch<double>(dense, b, buffers, full, call.stream);
     case ScalarType::Half:
-      return launch<torch::headeronly::Half>(dense, buffers, full, stream);
+      return launch<torch::headeronly::Half>(dense, b, buffers, full, call.stream);
     case ScalarType::BFloat16:
-      return launch<torch::headeronly::BFloat16>(dense, buffers, full, stream);
+      return launch<torch::headeronly::BFloat16>(dense, b, buffers, full, call.stream);
     default:
       fail("accumulate_stats: unsupported dtype ", dense.scalar_type());
+  }
+}
+
+void accumulate_stats_cuda(const Tensor& x, const Tensor& state, const Tensor& stats,
+                           const Tensor& extra, const Tensor& hist, const Tensor& workspace,
+                           const Tensor& cursor, int64_t slot, double near_zero, double hist_min,
+                           double hist_max) {
+  const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
+                                          hist_min, hist_max);
+  const int device = x.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  const Call call = prepare(workspace, hist, device);
+  accumulate_one(x, nullptr, state, stats, extra, hist, cursor, slot, full, call, near_zero,
+                 hist_min, hist_max);
+}
+
+// One launch per tensor, in slot order on one stream (so they share one workspace region).
+void accumulate_stats_list_cuda(std::vector<Tensor> xs, std::vector<Tensor> bases,
+                                const Tensor& state, const Tensor& stats, const Tensor& extra,
+                                const Tensor& hist, const Tensor& workspace, const Tensor& cursor,
+                                double near_zero, double hist_min, double hist_max) {
+  check_list_lengths(xs, bases, state);
+  if (xs.empty()) return;
+  const int device = state.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
+  bool full = false;
+  for (size_t i = 0; i < xs.size(); ++i) {  // every tensor checked before any is counted
+    full = check_accumulate_args(xs[i], state, stats, extra, hist, workspace, cursor,
+                                 static_cast<int64_t>(i), hist_min, hist_max);
+    if (!bases.empty()) dense_pair(xs[i], bases[i], i);
+  }
+  const Call call = prepare(workspace, hist, device);
+  for (size_t i = 0; i < xs.size(); ++i) {
+    accumulate_one(xs[i], bases.empty() ? nullptr : &bases[i], state, stats, extra, hist, cursor,
+                   static_cast<int64_t>(i), full, call, near_zero, hist_min, hist_max);
   }
 }
 
@@ -123,4 +177,5 @@ void accumulate_stats_cuda(const Tensor& x, const Tensor& state, const Tensor& s
 
 STABLE_TORCH_LIBRARY_IMPL(fasthooks, CUDA, m) {
   m.impl("accumulate_stats", TORCH_BOX(&fasthooks::cuda::accumulate_stats_cuda));
+  m.impl("accumulate_stats_list", TORCH_BOX(&fasthooks::cuda::accumulate_stats_list_cuda));
 }

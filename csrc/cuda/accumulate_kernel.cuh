@@ -112,20 +112,23 @@ inline Buffers buffers_for(double* state, float* stats, float* extra, int64_t* h
   return b;
 }
 
-// How a call of n values at x is cut: `head` scalar values up to the first 16-byte boundary,
-// then 16-byte vectors, then the scalar rest; `blocks` blocks of kThreads threads, at most
-// `resident` (the grid-stride loops cover the rest).
+// How a call of n values at x (and at base, when given) is cut: `head` scalar values up to the
+// first 16-byte boundary, then 16-byte vectors, then the scalar rest; `blocks` blocks of kThreads
+// threads, at most `resident` (the grid-stride loops cover the rest). A base whose values are not
+// aligned as x's are is read with scalar loads throughout.
 struct LaunchPlan {
   int64_t head;
   int64_t blocks;
 };
 
 template <typename T>
-LaunchPlan plan_launch(const T* x, int64_t n, int64_t resident) {
+LaunchPlan plan_launch(const T* x, const T* base, int64_t n, int64_t resident) {
   constexpr int64_t kVec = kVecBytes / sizeof(T);
   const auto misalignment = static_cast<int64_t>(reinterpret_cast<uintptr_t>(x) % kVecBytes);
+  const bool base_aligned =
+      base == nullptr || reinterpret_cast<uintptr_t>(base) % kVecBytes == misalignment;
   // Values that do not sit on their own size's boundary never reach a vector boundary.
-  int64_t head = misalignment % static_cast<int64_t>(sizeof(T)) != 0
+  int64_t head = !base_aligned || misalignment % static_cast<int64_t>(sizeof(T)) != 0
                      ? n
                      : (kVecBytes - misalignment) % kVecBytes / static_cast<int64_t>(sizeof(T));
   head = head < n ? head : n;
@@ -192,34 +195,58 @@ __device__ void count_bin(Acc v, const BinTable<Acc>& table, unsigned int* hist)
   }
 }
 
+// What a thread reads, Width values a load: x's values, or with Diff, x's minus the base's (a
+// parameter's update: after its step minus before it), taken in Acc. Kernels without a base
+// carry none: its loads would cost registers.
+template <typename T, int Width, bool Diff>
+struct Reader {
+  const Load<T, Width>* x;
+  const Load<T, Width>* base;  // null without Diff
+
+  __device__ Load<T, Width> base_at(int64_t i) const {
+    if constexpr (Diff) return base[i];
+    return Load<T, Width>{};
+  }
+};
+
+template <typename Acc, bool Diff, typename T, int Width>
+__device__ Acc value_of(const Load<T, Width>& v, const Load<T, Width>& b, int k) {
+  if constexpr (Diff) return static_cast<Acc>(v.val[k]) - static_cast<Acc>(b.val[k]);
+  return static_cast<Acc>(v.val[k]);
+}
+
 // The mean of one load, the first shift of a thread: within about a standard deviation of the
 // data unless the data are adversarial, which the far-shift check below catches.
-template <typename Acc, typename T, int Width>
-__device__ Acc load_mean(const Load<T, Width>& v) {
+template <typename Acc, typename T, int Width, bool Diff>
+__device__ Acc load_mean(const Reader<T, Width, Diff>& r, int64_t i) {
+  const Load<T, Width> v = r.x[i];
+  const Load<T, Width> b = r.base_at(i);
   Acc sum = 0;
-  for (int k = 0; k < Width; ++k) sum += static_cast<Acc>(v.val[k]);
+  for (int k = 0; k < Width; ++k) sum += value_of<Acc, Diff>(v, b, k);
   return finite_or_zero(sum / Width);
 }
 
 // Moments of one segment's values (loads begin, begin + step, ... before end) in double, around
 // their own mean: for a segment whose float sums overflowed or underflowed, or whose shift
 // proved far from its mean.
-template <typename Acc, bool Full, typename T, int Width>
-__device__ Stats segment_in_double(const Load<T, Width>* x, int64_t begin, int64_t end,
+template <typename Acc, bool Full, typename T, int Width, bool Diff>
+__device__ Stats segment_in_double(const Reader<T, Width, Diff>& r, int64_t begin, int64_t end,
                                    int64_t step) {
   double sum = 0.0, count = 0.0;
   for (int64_t i = begin; i < end; i += step) {
-    const Load<T, Width> v = x[i];
-    for (int k = 0; k < Width; ++k) sum += static_cast<double>(static_cast<Acc>(v.val[k]));
+    const Load<T, Width> v = r.x[i];
+    const Load<T, Width> b = r.base_at(i);
+    for (int k = 0; k < Width; ++k) sum += static_cast<double>(value_of<Acc, Diff>(v, b, k));
     count += Width;
   }
   Stats s;
   s.count = count;
   s.mean = sum / count;  // kept as is: an infinite mean stays infinite
   for (int64_t i = begin; i < end; i += step) {
-    const Load<T, Width> v = x[i];
+    const Load<T, Width> v = r.x[i];
+    const Load<T, Width> b = r.base_at(i);
     for (int k = 0; k < Width; ++k) {
-      const double d = static_cast<double>(static_cast<Acc>(v.val[k])) - s.mean;
+      const double d = static_cast<double>(value_of<Acc, Diff>(v, b, k)) - s.mean;
       s.m2 += d * d;
       if constexpr (Full) {
         s.m3 += d * d * d;
@@ -236,14 +263,14 @@ struct SegmentSums {
 };
 
 // Adds one load's values to the segment's sums, extremes, counts and histogram.
-template <typename Acc, bool Full, bool Hist, typename T, int Width>
-__device__ void add_load(const Load<T, Width>& v, Acc shift, Acc near_zero,
+template <typename Acc, bool Full, bool Hist, bool Diff, typename T, int Width>
+__device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, Acc shift, Acc near_zero,
                          const BinTable<Acc>& table, unsigned int* hist, SegmentSums& sums,
                          Extremes<Acc>& e) {
   Acc a1 = 0, a2 = 0, a3 = 0, a4 = 0;
 #pragma unroll
   for (int k = 0; k < Width; ++k) {
-    const Acc value = static_cast<Acc>(v.val[k]);
+    const Acc value = value_of<Acc, Diff>(v, b, k);
     const Acc d = value - shift;
     const Acc d2 = d * d;
     a1 += d;
@@ -271,26 +298,30 @@ __device__ void add_load(const Load<T, Width>& v, Acc shift, Acc near_zero,
 // the mean of its first load), kLoadsInFlight loads at a time, and merged into `moments` in
 // double, so no choice of first values spoils the rest; extremes, counts and the histogram are
 // taken on the way.
-template <typename Acc, bool Full, bool Hist, typename T, int Width>
-__device__ void thread_pass(const Load<T, Width>* x, int64_t loads, int64_t first, int64_t step,
-                            Acc near_zero, const BinTable<Acc>& table, unsigned int* hist,
-                            Stats& moments, Extremes<Acc>& e) {
+template <typename Acc, bool Full, bool Hist, typename T, int Width, bool Diff>
+__device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int64_t first,
+                            int64_t step, Acc near_zero, const BinTable<Acc>& table,
+                            unsigned int* hist, Stats& moments, Extremes<Acc>& e) {
   for (int64_t begin = first; begin < loads; begin += kSegmentLoads * step) {
     const Acc shift = moments.count > 0.0 ? finite_or_zero(static_cast<Acc>(moments.mean))
-                                          : load_mean<Acc>(x[begin]);
+                                          : load_mean<Acc>(r, begin);
     const int64_t rest = (loads - begin + step - 1) / step;
     const int64_t end = begin + (rest < kSegmentLoads ? rest : kSegmentLoads) * step;
     SegmentSums sums;
     for (int64_t i = begin; i < end; i += kLoadsInFlight * step) {
       Load<T, Width> v[kLoadsInFlight];
+      Load<T, Width> b[kLoadsInFlight];
 #pragma unroll
       for (int u = 0; u < kLoadsInFlight; ++u) {
-        if (i + u * step < end) v[u] = x[i + u * step];
+        if (i + u * step < end) {
+          v[u] = r.x[i + u * step];
+          b[u] = r.base_at(i + u * step);
+        }
       }
 #pragma unroll
       for (int u = 0; u < kLoadsInFlight; ++u) {
         if (i + u * step < end) {
-          add_load<Acc, Full, Hist>(v[u], shift, near_zero, table, hist, sums, e);
+          add_load<Acc, Full, Hist, Diff>(v[u], b[u], shift, near_zero, table, hist, sums, e);
         }
       }
     }
@@ -302,15 +333,16 @@ __device__ void thread_pass(const Load<T, Width>* x, int64_t loads, int64_t firs
     const bool far = sums.count * d * d > 4.0 * segment.m2 && isfinite(segment.mean);
     if (far || !isfinite(sums.s1 + sums.s2 + sums.s3 + sums.s4) ||
         spread_underflows<Acc, Full>(segment, sums.count)) {
-      segment = segment_in_double<Acc, Full>(x, begin, end, step);
+      segment = segment_in_double<Acc, Full>(r, begin, end, step);
     }
     moments = merge<Full>(moments, segment);
   }
 }
 
-template <typename T, typename Acc, bool Full, bool Hist>
+template <typename T, typename Acc, bool Full, bool Hist, bool Diff>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
-    accumulate_stats_kernel(const T* __restrict__ x, int64_t n, int64_t head, Buffers b) {
+    accumulate_stats_kernel(const T* __restrict__ x, const T* __restrict__ base, int64_t n,
+                            int64_t head, Buffers b) {
   // A CUDA graph replayed past the capacity it was captured with finds the cursor beyond its
   // buffers: the call is counted, for the host to report on reading, and writes nothing.
   const int64_t column = *b.cursor;
@@ -338,12 +370,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t vectors = (n - head) / kVec;
   const T* tail = x + head + vectors * kVec;
-  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, 1>*>(x), head, tid, step, near_zero,
-                               table, hist, moments, e);
-  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, kVec>*>(x + head), vectors, tid, step,
-                               near_zero, table, hist, moments, e);
-  thread_pass<Acc, Full, Hist>(reinterpret_cast<const Load<T, 1>*>(tail), x + n - tail, tid, step,
-                               near_zero, table, hist, moments, e);
+  // Where a base is given its values sit at the same offsets, so the same cuts align it too.
+  const auto at = [&](int64_t offset) { return base != nullptr ? base + offset : nullptr; };
+  using Scalar = Load<T, 1>;
+  using Vector = Load<T, kVec>;
+  const Reader<T, 1, Diff> head_part{reinterpret_cast<const Scalar*>(x),
+                                     reinterpret_cast<const Scalar*>(at(0))};
+  const Reader<T, kVec, Diff> body{reinterpret_cast<const Vector*>(x + head),
+                                   reinterpret_cast<const Vector*>(at(head))};
+  const Reader<T, 1, Diff> tail_part{reinterpret_cast<const Scalar*>(tail),
+                                     reinterpret_cast<const Scalar*>(at(tail - x))};
+  thread_pass<Acc, Full, Hist>(head_part, head, tid, step, near_zero, table, hist, moments, e);
+  thread_pass<Acc, Full, Hist>(body, vectors, tid, step, near_zero, table, hist, moments, e);
+  thread_pass<Acc, Full, Hist>(tail_part, x + n - tail, tid, step, near_zero, table, hist, moments,
+                               e);
 
   const int64_t cell = b.slot * b.capacity + column;
   if constexpr (Hist) {
@@ -405,23 +445,32 @@ struct KernelOf {
 };
 
 // Calls launch(KernelOf<kernel>{}, dynamic shared bytes) with the kernel for T and the
-// statistics asked for.
+// statistics asked for; with a base (diff), every statistic is.
 template <typename T, typename Launch>
-void with_kernel(bool full, bool hist, Launch&& launch) {
+void with_kernel(bool full, bool hist, bool diff, Launch&& launch) {
   using Acc = typename Accumulator<T>::type;
+  if (diff && hist) {
+    return launch(KernelOf<accumulate_stats_kernel<T, Acc, true, true, true>>{},
+                  shared_bytes<Acc, true>());
+  }
+  if (diff) {
+    return launch(KernelOf<accumulate_stats_kernel<T, Acc, true, false, true>>{},
+                  shared_bytes<Acc, false>());
+  }
   if (full && hist) {
-    return launch(KernelOf<accumulate_stats_kernel<T, Acc, true, true>>{},
+    return launch(KernelOf<accumulate_stats_kernel<T, Acc, true, true, false>>{},
                   shared_bytes<Acc, true>());
   }
   if (full) {
-    return launch(KernelOf<accumulate_stats_kernel<T, Acc, true, false>>{},
+    return launch(KernelOf<accumulate_stats_kernel<T, Acc, true, false, false>>{},
                   shared_bytes<Acc, false>());
   }
   if (hist) {
-    return launch(KernelOf<accumulate_stats_kernel<T, Acc, false, true>>{},
+    return launch(KernelOf<accumulate_stats_kernel<T, Acc, false, true, false>>{},
                   shared_bytes<Acc, true>());
   }
-  launch(KernelOf<accumulate_stats_kernel<T, Acc, false, false>>{}, shared_bytes<Acc, false>());
+  launch(KernelOf<accumulate_stats_kernel<T, Acc, false, false, false>>{},
+         shared_bytes<Acc, false>());
 }
 
 }  // namespace cuda

@@ -46,7 +46,7 @@ _SIGNATURES = {
     "harness_plan": ([_INT, _P, _I64, _I64, _P], None),
     "harness_region_of": ([_P, ctypes.c_ulonglong, _INT, ctypes.c_char_p, _I64], _I64),
     "harness_accumulate": (
-        [_INT, _P, _I64, *[_P] * 6, *[_I64] * 5, _INT, _D, _D, _D, _I64],
+        [_INT, _P, _P, _I64, *[_P] * 6, *[_I64] * 5, _INT, _D, _D, _D, _I64],
         _INT,
     ),
 }
@@ -172,12 +172,14 @@ def accumulate(
     hist_min: float = 0.0,
     hist_max: float = 10.0,
     *,
+    base: torch.Tensor | None = None,
     stream: int = 0,
     resident: int | None = None,
 ) -> None:
-    """`accumulate_stats` through the CUDA kernels, on CPU tensors; `stream` stands for the CUDA
-    stream of the call. An empty `workspace` (CPU buffers) is replaced by one kept for `state`.
-    Raises DeviceCodeError when the emulation saw a rule of CUDA broken."""
+    """`accumulate_stats` through the CUDA kernels, on CPU tensors (with `base`, the statistics
+    of x - base, as `accumulate_stats_list` takes them); `stream` stands for the CUDA stream of
+    the call. An empty `workspace` (CPU buffers) is replaced by one kept for `state`. Raises
+    DeviceCodeError when the emulation saw a rule of CUDA broken."""
     if workspace.numel() == 0:
         workspace = workspace_for(state)
     if workspace.numel() != workspace_doubles() or workspace.dtype != torch.float64:
@@ -186,12 +188,16 @@ def accumulate(
     if x.numel() == 0:
         return
     dense = x if x.is_contiguous() or _dense(x) else x.contiguous()
+    if base is not None:  # read in one order, as csrc/checks.cpp's dense_pair
+        same_order = base.stride() == x.stride() and dense is x
+        dense, base = (x, base) if same_order else (x.contiguous(), base.contiguous())
     full = state.shape[0] == 9
     lib = library()
     errors = counts()["errors"]
     status = lib.harness_accumulate(
         DTYPES[dense.dtype],
         dense.data_ptr(),
+        None if base is None else base.data_ptr(),
         dense.numel(),
         state.data_ptr(),
         stats.data_ptr(),
@@ -214,3 +220,35 @@ def accumulate(
         raise ValueError(f"unsupported dtype {dense.dtype}")
     if counts()["errors"] != errors:
         raise DeviceCodeError(lib.harness_last_error().decode())
+
+
+def accumulate_list(
+    xs: list[torch.Tensor],
+    bases: list[torch.Tensor],
+    state: torch.Tensor,
+    stats: torch.Tensor,
+    extra: torch.Tensor,
+    hist: torch.Tensor,
+    workspace: torch.Tensor,
+    cursor: torch.Tensor,
+    near_zero: float = 0.05,
+    hist_min: float = 0.0,
+    hist_max: float = 10.0,
+) -> None:
+    """`accumulate_stats_list` through the CUDA kernels: one launch per tensor, in slot order."""
+    for slot, x in enumerate(xs):
+        base = bases[slot] if bases else None
+        accumulate(
+            x,
+            state,
+            stats,
+            extra,
+            hist,
+            workspace,
+            cursor,
+            slot,
+            near_zero,
+            hist_min,
+            hist_max,
+            base=base,
+        )

@@ -16,12 +16,14 @@ namespace {
 using namespace fasthooks::cuda;
 
 template <typename T>
-void run(const void* data, int64_t n, const Buffers& buffers, bool full, int64_t resident) {
+void run(const void* data, const void* base_data, int64_t n, const Buffers& buffers, bool full,
+         int64_t resident) {
   const T* x = static_cast<const T*>(data);
-  with_kernel<T>(full, buffers.bins > 0, [&](auto kernel_of, size_t shared) {
-    const LaunchPlan plan = plan_launch(x, n, resident);
+  const T* base = static_cast<const T*>(base_data);
+  with_kernel<T>(full, buffers.bins > 0, base != nullptr, [&](auto kernel_of, size_t shared) {
+    const LaunchPlan plan = plan_launch(x, base, n, resident);
     cuda_on_cpu::launch(decltype(kernel_of)::kernel, static_cast<unsigned>(plan.blocks), kThreads,
-                        shared, x, n, plan.head, buffers);
+                        shared, x, base, n, plan.head, buffers);
   });
 }
 
@@ -77,9 +79,10 @@ void harness_break_a_rule(int which) {
 // The launch plan (plan_launch) of n values of `dtype` at `x`: out = {head, blocks}.
 void harness_plan(int dtype, const void* x, int64_t n, int64_t resident, int64_t* out) {
   LaunchPlan plan{};
-  if (dtype == 0) plan = plan_launch(static_cast<const float*>(x), n, resident);
-  if (dtype == 1) plan = plan_launch(static_cast<const double*>(x), n, resident);
-  if (dtype >= 2) plan = plan_launch(static_cast<const torch::headeronly::Half*>(x), n, resident);
+  using Half = torch::headeronly::Half;
+  if (dtype == 0) plan = plan_launch<float>(static_cast<const float*>(x), nullptr, n, resident);
+  if (dtype == 1) plan = plan_launch<double>(static_cast<const double*>(x), nullptr, n, resident);
+  if (dtype >= 2) plan = plan_launch<Half>(static_cast<const Half*>(x), nullptr, n, resident);
   out[0] = plan.head;
   out[1] = plan.blocks;
 }
@@ -97,28 +100,28 @@ int64_t harness_region_of(const void* workspace, unsigned long long stream, int 
   }
 }
 
-// One call of the operator's CUDA path on CPU memory. dtype: 0 float32, 1 float64, 2 float16,
-// 3 bfloat16.
-int harness_accumulate(int dtype, const void* x, int64_t n, double* state, float* stats,
-                       float* extra, int64_t* hist, const int64_t* cursor, double* workspace,
-                       int64_t region, int64_t slot, int64_t modules, int64_t capacity,
-                       int64_t bins, int full, double near_zero, double hist_min, double hist_max,
-                       int64_t resident) {
+// One call of the operator's CUDA path on CPU memory: x's statistics, or with a base (else null)
+// those of x - base. dtype: 0 float32, 1 float64, 2 float16, 3 bfloat16.
+int harness_accumulate(int dtype, const void* x, const void* base, int64_t n, double* state,
+                       float* stats, float* extra, int64_t* hist, const int64_t* cursor,
+                       double* workspace, int64_t region, int64_t slot, int64_t modules,
+                       int64_t capacity, int64_t bins, int full, double near_zero, double hist_min,
+                       double hist_max, int64_t resident) {
   if (n == 0) return 0;
   const Buffers b = buffers_for(state, stats, extra, hist, cursor, workspace, region, slot, modules,
                                 capacity, bins, near_zero, hist_min, hist_max);
   switch (dtype) {
     case 0:
-      run<float>(x, n, b, full != 0, resident);
+      run<float>(x, base, n, b, full != 0, resident);
       return 0;
     case 1:
-      run<double>(x, n, b, full != 0, resident);
+      run<double>(x, base, n, b, full != 0, resident);
       return 0;
     case 2:
-      run<torch::headeronly::Half>(x, n, b, full != 0, resident);
+      run<torch::headeronly::Half>(x, base, n, b, full != 0, resident);
       return 0;
     case 3:
-      run<torch::headeronly::BFloat16>(x, n, b, full != 0, resident);
+      run<torch::headeronly::BFloat16>(x, base, n, b, full != 0, resident);
       return 0;
     default:
       return 1;
