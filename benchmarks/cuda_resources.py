@@ -3,7 +3,8 @@
 Compiles csrc/cuda/accumulate_cuda.cu with `nvcc -Xptxas -v` for each architecture (no GPU
 needed; torch must be a CUDA build) and prints a markdown table: per kernel and architecture the
 registers a thread uses, the bytes it spills, and how many blocks of 256 threads a multiprocessor
-holds by registers (65,536 of them, allocated per warp in units of 256).
+holds by registers (65,536 of them, allocated per warp in units of 256); "list" marks the kernels
+that take many tensors in one launch (accumulate_stats_list).
 
     python benchmarks/cuda_resources.py [--archs 80 90] [--out DIR]
 """
@@ -24,7 +25,7 @@ THREADS = 256
 REGISTERS_PER_SM = 65536
 DTYPES = {"f": "float32", "d": "float64", "N3c104HalfE": "float16", "N3c108BFloat16E": "bfloat16"}
 KERNEL = re.compile(
-    r"accumulate_stats_kernelI(f|d|N3c104HalfE|N3c108BFloat16E)[fd]Lb([01])ELb([01])ELb([01])E"
+    r"accumulate_(stats|list)_kernelI(f|d|N3c104HalfE|N3c108BFloat16E)[fd]Lb([01])ELb([01])ELb([01])E"
 )
 ENTRY = re.compile(r"Compiling entry function '([^']+)' for 'sm_(\d+)'")
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -75,11 +76,12 @@ def resources(report: str) -> dict[tuple[str, str], dict[str, tuple[int, int]]]:
             match = KERNEL.search(entry.group(1))
             kernel, arch, spilled = None, entry.group(2), 0
             if match:
-                dtype, full, hist, diff = match.groups()
+                family, dtype, full, hist, diff = match.groups()
                 what = ("every statistic" if full == "1" else "mean and std") + (
                     " + histogram" if hist == "1" else ""
                 )
                 what += " of a difference" if diff == "1" else ""
+                what += ", list" if family == "list" else ""
                 kernel = (DTYPES[dtype], what)
         elif (spills := SPILLS.search(line)) and kernel:
             spilled = int(spills.group(1)) + int(spills.group(2))

@@ -11,6 +11,7 @@ from .hook import (
     unwrap_compiled,
 )
 from .ops import extension_available, extension_error
+from .parameters import ParameterStats
 from .plot import plot_stats
 from .sizes import (
     LayerInfo,
@@ -31,6 +32,7 @@ __all__ = [
     "HookCallback",
     "Hooks",
     "LayerInfo",
+    "ParameterStats",
     "StatisticsError",
     "__version__",
     "dummy_batch",

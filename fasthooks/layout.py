@@ -17,7 +17,10 @@ reports it and a test compares the two.
 
 from __future__ import annotations
 
-EXTRAS = ("min", "max", "near_zero", "nonfinite", "kurtosis")
+EXTRAS = ("min", "max", "near_zero", "nonfinite", "kurtosis", "norm", "absmax")
+# Extras read from the merge state rather than a finalised plane: the L2 norm and the largest
+# magnitude.
+DERIVED_EXTRAS = ("norm", "absmax")
 STATE_PLANES = ("count", "mean", "m2", "m3", "m4", "min", "max", "near_zero", "nonfinite")
 BASIC_PLANES = 3
 STATS_PLANES = ("mean", "std")

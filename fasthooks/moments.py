@@ -149,6 +149,26 @@ def finalise(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     return stats, extra
 
 
+def derived_extra(name: str, state: torch.Tensor) -> torch.Tensor:
+    """float32 "norm" (the L2 norm, sqrt(m2 + count * mean^2)) or "absmax" (the largest
+    magnitude, NaN once a NaN was seen) of every slot of a full merge state; NaN where a slot
+    has no element.
+
+    Example:
+        >>> from fasthooks.buffers import StatBuffers
+        >>> b = StatBuffers(1, 1, "cpu", full=True, hist_bins=0)
+        >>> accumulate_stats_python(torch.tensor([3.0, -4.0]), *b.op_args(), 0, 0.05, 0.0, 1.0)
+        >>> derived_extra("norm", b.state).item(), derived_extra("absmax", b.state).item()
+        (5.0, 4.0)
+    """
+    count = state[COUNT]
+    if name == "norm":
+        value = (state[M2] + count * state[MEAN] * state[MEAN]).sqrt()
+    else:
+        value = torch.maximum(state[MIN].abs(), state[MAX].abs())
+    return torch.where(count > 0, value, torch.full_like(value, float("nan"))).float()
+
+
 def accumulate_stats_python(
     x: torch.Tensor,
     state: torch.Tensor,
@@ -204,11 +224,12 @@ def accumulate_stats_list_python(
     hist_max: float,
 ) -> None:
     """`xs[i]` into slot i, as `accumulate_stats_python`; with `bases`, the statistics of
-    `xs[i] - bases[i]`, the difference taken in float32 (float64 for float64 tensors).
+    `xs[i] - bases[i]`, the difference taken in float32 (float64 for float64 tensors), which
+    needs a full (9-plane) state.
 
     Example:
         >>> from fasthooks.buffers import StatBuffers
-        >>> b = StatBuffers(2, 1, "cpu", full=False, hist_bins=0)
+        >>> b = StatBuffers(2, 1, "cpu", full=True, hist_bins=0)
         >>> after, before = [torch.tensor([3.0, 5.0])], [torch.tensor([1.0, 1.0])]
         >>> accumulate_stats_list_python(after, before, *b.op_args(), 0.05, 0.0, 1.0)
         >>> b.stats[:, 0, 0].tolist()

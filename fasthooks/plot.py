@@ -13,6 +13,7 @@ import torch
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from .parameters import ParameterStats
     from .stats import ActivationStats
 
 # The least height of a labelled row, in inches (x-small labels are about 0.08 in tall).
@@ -81,16 +82,39 @@ def overview(act: ActivationStats, path: str | Path | None = None) -> Figure:
     """A heat map per statistic over modules (rows, by name) and recorded batches (columns).
     Every panel names its rows; a constant panel's colour bar shows its one value; cells
     without a value (a module that did not run, or NaN) are grey, and the title says so."""
+    planes = {"mean": act.stats[0], "std": act.stats[1], **act.extra}
+    kind = "activation" if act.is_forward else "gradient"
+    note = " (grey: no value, the module did not run or gave NaN)"
+    title = f"{kind} statistics per module"
+    return _heat_maps(planes, act.module_names, act.batches, "training batch", title, note, path)
+
+
+def parameter_overview(ps: ParameterStats, kind: str, path: str | Path | None = None) -> Figure:
+    """`overview` for one kind of a ParameterStats run: parameters over optimizer steps."""
+    if kind not in ps.kinds:
+        raise KeyError(f"kind {kind!r} is not recorded; recorded kinds: {ps.kinds}")
+    planes = {"mean": ps.stats[kind][0], "std": ps.stats[kind][1], **ps.extra[kind]}
+    note = " (grey: no value, no gradient that step or NaN)"
+    title = f"{kind} statistics per parameter"
+    return _heat_maps(planes, ps.param_names, ps.steps, "optimizer step", title, note, path)
+
+
+def _heat_maps(
+    planes: dict[str, torch.Tensor],
+    names: list[str],
+    batches: torch.Tensor,
+    xlabel: str,
+    title: str,
+    note: str,
+    path: str | Path | None,
+) -> Figure:
     from matplotlib import colormaps
     from matplotlib.ticker import MaxNLocator
 
-    planes = {"mean": act.stats[0], "std": act.stats[1], **act.extra}
-    names = act.module_names
     height = min(14.0, max(3.5, OVERVIEW_FRAME_INCHES + OVERVIEW_ROW_INCHES * len(names)))
     row_inches = (height - OVERVIEW_FRAME_INCHES) / max(1, len(names))
     fig = _figure(1.5 + 3.6 * len(planes), height)
     axes = fig.subplots(1, len(planes), sharey=True, squeeze=False)[0]
-    batches = act.batches
     extent = None
     if batches.numel() > 0:
         extent = (batches[0].item() - 0.5, batches[-1].item() + 0.5, len(names) - 0.5, -0.5)
@@ -110,16 +134,14 @@ def overview(act: ActivationStats, path: str | Path | None = None) -> Figure:
             cmap=cmap,
         )
         ax.set_title(stat)
-        ax.set_xlabel("training batch")
+        ax.set_xlabel(xlabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         bar = fig.colorbar(image, ax=ax, shrink=0.8)
         finite = values[values.isfinite()]
         if finite.numel() and bool((finite == finite[0]).all()):
             bar.set_ticks([finite[0].item()])  # constant: its value, not a made-up range
         _module_ticks(ax, names, row_inches)
-    kind = "activation" if act.is_forward else "gradient"
-    note = " (grey: no value, the module did not run or gave NaN)" if missing else ""
-    fig.suptitle(f"{kind} statistics per module{note}")
+    fig.suptitle(title + (note if missing else ""))
     return _save(fig, path)
 
 

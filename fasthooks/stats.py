@@ -18,7 +18,8 @@ from . import checkpoint
 from .buffers import HostCopy, StatBuffers
 from .distributed import all_reduce
 from .hook import HookCallback
-from .layout import COUNT, EXTRA_PLANES, EXTRAS, MAX_HIST_BINS
+from .layout import COUNT, DERIVED_EXTRAS, EXTRA_PLANES, EXTRAS, MAX_HIST_BINS
+from .moments import derived_extra
 from .ops import resolve_backend
 from .outputs import measured_tensor
 
@@ -113,12 +114,27 @@ def _check_hist(hist_bins: Any, hist_range: Any) -> tuple[int, float, float]:
     return int(hist_bins), lo, hi
 
 
+def read_extras(names: Iterable[str], read: Any, buffers: StatBuffers) -> dict[str, torch.Tensor]:
+    """Each extra of `names` as a CPU tensor `(slots, columns)`, through `read(name, buffer)`
+    (the recorded columns of a buffer on the CPU)."""
+    out = {}
+    for name in names:
+        if name == "nonfinite":
+            out[name] = read("nonfinite", buffers.nonfinite())
+        elif name in DERIVED_EXTRAS:
+            out[name] = derived_extra(name, read("state", buffers.state))
+        else:
+            out[name] = read("extra", buffers.extra)[EXTRA_PLANES.index(name)]
+    return out
+
+
 def _host_copies() -> dict[str, HostCopy]:
     """Empty host copies of every buffer that reading may have to copy from a device."""
     return {
         "stats": HostCopy(2, torch.float32),
         "extra": HostCopy(2, torch.float32),
         "nonfinite": HostCopy(1, torch.int64),
+        "state": HostCopy(2, torch.float64),
         "hist": HostCopy(1, torch.int64),
     }
 
@@ -136,7 +152,8 @@ class ActivationStats(HookCallback):
     the elements, as `torch.amin`/`amax`), "near_zero" (float32, the fraction of elements
     `<= near_zero`), "nonfinite" (int64, how many elements are NaN or infinite) and
     "kurtosis" (float32, m4 / m2**2 of the population central moments: 3.0 for a normal
-    distribution; NaN with fewer than 2 elements or no spread).
+    distribution; NaN with fewer than 2 elements or no spread), "norm" (float32, the L2 norm of
+    the elements) and "absmax" (float32, their largest magnitude).
 
     With `is_forward=False` the statistics are those of each module's output gradient (its
     first floating-point tensor), one column per training batch, from a hook on the output
@@ -171,7 +188,7 @@ class ActivationStats(HookCallback):
         do_remove: remove the hooks at `on_train_end` (default True).
         backend: "auto" (the fused operator when built, else "python"), "fused" or "python".
         expected_batches: columns allocated up front (default 64); more double the buffers.
-        extra: names from "min", "max", "near_zero", "nonfinite", "kurtosis".
+        extra: names from "min", "max", "near_zero", "nonfinite", "kurtosis", "norm", "absmax".
         near_zero: the threshold of "near_zero" (default 0.05, fastai v2's).
         hist_bins: histogram bins, 0 (default) for none, at most 2048.
         hist_range: the histogram's (lo, hi), default (0.0, 10.0), within float32's range.
@@ -594,14 +611,7 @@ class ActivationStats(HookCallback):
         if self._buffers is None:
             empty = torch.empty(len(self.modules or ()), 0)
             return {n: empty.long() if n == "nonfinite" else empty for n in self.extra_names}
-        planes = self._read("extra", self._buffers.extra)
-        out = {}
-        for name in self.extra_names:
-            if name == "nonfinite":
-                out[name] = self._read("nonfinite", self._buffers.nonfinite())
-            else:
-                out[name] = planes[EXTRA_PLANES.index(name)]
-        return out
+        return read_extras(self.extra_names, self._read, self._buffers)
 
     @property
     def hist(self) -> torch.Tensor:

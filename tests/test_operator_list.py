@@ -114,3 +114,23 @@ def test_opcheck(with_bases):
     torch.library.opcheck(
         torch.ops.fasthooks.accumulate_stats_list.default, (xs, bases, *b.op_args(), *ARGS)
     )
+
+
+@pytest.mark.parametrize("accumulate_list", LISTS.values(), ids=list(LISTS))
+def test_more_tensors_than_one_launch_takes_with_empty_ones_between(accumulate_list):
+    """150 tensors of three dtypes, a few empty: the CUDA list kernel takes 64 a launch."""
+    g = torch.Generator().manual_seed(9)
+    dtypes = [torch.float32, torch.bfloat16, torch.float64]
+    xs = [
+        (torch.randn(1 + 37 * (i % 11), generator=g) * (1 + i)).to(dtypes[i % 3])
+        if i % 17
+        else torch.empty(0)
+        for i in range(150)
+    ]
+    bases = [x * 0.5 for x in xs]
+    got = StatBuffers(150, 1, "cpu", full=True, hist_bins=8)
+    want = StatBuffers(150, 1, "cpu", full=True, hist_bins=8)
+    accumulate_list(xs, bases, *got.op_args(), *ARGS)
+    accumulate_stats_list_python(xs, bases, *want.op_args(), *ARGS)
+    assert_buffers_close(got.op_args()[:4], want.op_args()[:4], rtol=1e-5, atol=1e-7)
+    assert got.state[0, ::17].eq(0).all()  # the empty ones count nothing

@@ -6,8 +6,10 @@
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <iterator>
 #include <vector>
 
 #include "../checks.h"
@@ -52,6 +54,19 @@ CallOrigin origin_of(cudaStream_t stream) {
   return {reinterpret_cast<uintptr_t>(stream), status != cudaStreamCaptureStatusNone};
 }
 
+// Blocks of `Kernel` resident at once on the device (occupancy asked once per kernel): the
+// grid-stride loops cover the rest.
+template <auto Kernel>
+int64_t resident_blocks(size_t shared, int device) {
+  static const int blocks_per_sm = [&] {
+    int blocks = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, Kernel, kThreads, shared),
+               "reading the kernel's occupancy");
+    return blocks;
+  }();
+  return multiprocessors(device) * blocks_per_sm;
+}
+
 // One launch of the kernel for T on `stream`, over x (minus base, when given).
 template <typename T>
 void launch(const Tensor& x, const Tensor* base, const Buffers& buffers, bool full,
@@ -62,18 +77,41 @@ void launch(const Tensor& x, const Tensor* base, const Buffers& buffers, bool fu
   const int device = x.get_device_index();
   with_kernel<T>(full, buffers.bins > 0, b != nullptr, [&](auto kernel_of, size_t shared) {
     constexpr auto kernel = decltype(kernel_of)::kernel;
-    // As many blocks as can be resident at once (asked once per kernel): the grid-stride loops
-    // cover the rest.
-    static const int blocks_per_sm = [&] {
-      int blocks = 0;
-      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, shared),
-                 "reading the kernel's occupancy");
-      return blocks;
-    }();
-    const LaunchPlan plan = plan_launch(p, b, n, multiprocessors(device) * blocks_per_sm);
+    const LaunchPlan plan = plan_launch(p, b, n, resident_blocks<kernel>(shared, device));
     kernel<<<static_cast<int>(plan.blocks), kThreads, shared, stream>>>(p, b, n, plan.head,
                                                                         buffers);
     check_cuda(cudaGetLastError(), "kernel launch");
+  });
+}
+
+// Tensors of one dtype, read in place or as copies, and their slots.
+struct Group {
+  std::vector<Tensor> x;
+  std::vector<Tensor> base;
+  std::vector<int64_t> slot;
+};
+
+// Every tensor of a group with the list kernel: one launch per kListTensors tensors.
+template <typename T>
+void launch_list(const Group& group, const Buffers& buffers, bool full, cudaStream_t stream,
+                 int device) {
+  std::vector<const T*> x, base;
+  std::vector<int64_t> n;
+  for (size_t i = 0; i < group.x.size(); ++i) {
+    x.push_back(static_cast<const T*>(group.x[i].const_data_ptr()));
+    if (!group.base.empty()) base.push_back(static_cast<const T*>(group.base[i].const_data_ptr()));
+    n.push_back(group.x[i].numel());
+  }
+  const bool diff = !group.base.empty();
+  with_kernel<T, true>(full, buffers.bins > 0, diff, [&](auto kernel_of, size_t shared) {
+    constexpr auto kernel = decltype(kernel_of)::kernel;
+    for_each_table(x.data(), diff ? base.data() : nullptr, n.data(), group.slot.data(),
+                   static_cast<int64_t>(x.size()), resident_blocks<kernel>(shared, device),
+                   [&](const TensorTable& table) {
+                     kernel<<<table.first_block[table.count], kThreads, shared, stream>>>(table,
+                                                                                          buffers);
+                     check_cuda(cudaGetLastError(), "kernel launch");
+                   });
   });
 }
 
@@ -149,25 +187,59 @@ void accumulate_stats_cuda(const Tensor& x, const Tensor& state, const Tensor& s
                  hist_min, hist_max);
 }
 
-// One launch per tensor, in slot order on one stream (so they share one workspace region).
+int group_of(ScalarType dtype) {
+  switch (dtype) {
+    case ScalarType::Float:
+      return 0;
+    case ScalarType::Double:
+      return 1;
+    case ScalarType::Half:
+      return 2;
+    default:
+      return 3;  // bfloat16: check_accumulate_args refused any other
+  }
+}
+
+// Every tensor of a list, one launch of the list kernel per dtype and kListTensors tensors, in
+// slot order on one stream (so that they share one workspace region).
 void accumulate_stats_list_cuda(std::vector<Tensor> xs, std::vector<Tensor> bases,
                                 const Tensor& state, const Tensor& stats, const Tensor& extra,
                                 const Tensor& hist, const Tensor& workspace, const Tensor& cursor,
                                 double near_zero, double hist_min, double hist_max) {
   check_list_lengths(xs, bases, state);
   if (xs.empty()) return;
-  const int device = state.get_device_index();
-  const torch::stable::accelerator::DeviceGuard guard(device);
   bool full = false;
+  Group groups[4];                          // by dtype: float32, float64, float16, bfloat16
   for (size_t i = 0; i < xs.size(); ++i) {  // every tensor checked before any is counted
     full = check_accumulate_args(xs[i], state, stats, extra, hist, workspace, cursor,
                                  static_cast<int64_t>(i), hist_min, hist_max);
-    if (!bases.empty()) dense_pair(xs[i], bases[i], i);
+    if (xs[i].numel() == 0) continue;
+    Group& group = groups[group_of(dtype_of(xs[i]))];
+    if (bases.empty()) {
+      group.x.push_back(dense_values(xs[i]));
+    } else {
+      DensePair pair = dense_pair(xs[i], bases[i], i);
+      group.x.push_back(pair.x);
+      group.base.push_back(pair.base);
+    }
+    group.slot.push_back(static_cast<int64_t>(i));
   }
+  const int device = state.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
   const Call call = prepare(workspace, hist, device);
-  for (size_t i = 0; i < xs.size(); ++i) {
-    accumulate_one(xs[i], bases.empty() ? nullptr : &bases[i], state, stats, extra, hist, cursor,
-                   static_cast<int64_t>(i), full, call, near_zero, hist_min, hist_max);
+  const Buffers buffers = buffers_for(
+      static_cast<double*>(state.mutable_data_ptr()), static_cast<float*>(stats.mutable_data_ptr()),
+      full ? static_cast<float*>(extra.mutable_data_ptr()) : nullptr,
+      call.bins > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) : nullptr,
+      static_cast<const int64_t*>(cursor.const_data_ptr()), call.workspace, call.region, 0,
+      state.size(1), state.size(2), call.bins, near_zero, hist_min, hist_max);
+  if (!groups[0].x.empty()) launch_list<float>(groups[0], buffers, full, call.stream, device);
+  if (!groups[1].x.empty()) launch_list<double>(groups[1], buffers, full, call.stream, device);
+  if (!groups[2].x.empty()) {
+    launch_list<torch::headeronly::Half>(groups[2], buffers, full, call.stream, device);
+  }
+  if (!groups[3].x.empty()) {
+    launch_list<torch::headeronly::BFloat16>(groups[3], buffers, full, call.stream, device);
   }
 }
 

@@ -44,15 +44,20 @@ constexpr int64_t kMaxBins = 2048;
 // Loads of a thread summed around one shift before they merge into its moments in double.
 constexpr int kSegmentLoads = 16;
 
+// Tensors one launch of the list kernel takes: their table (TensorTable) fits the 4 KB of kernel
+// arguments.
+constexpr int kListTensors = 64;
+
 // The workspace (fasthooks/layout.py mirrors it): kRegions regions of kMaxBlocks partials each,
-// then one finished-blocks counter per region (in a double's place), then the count of calls that
-// found the cursor past the buffers' capacity. Calls that may run at the same time (on different
-// streams, or a captured graph beside eager calls) are given different regions by the host.
+// then kListTensors finished-blocks counters per region (each in a double's place), then the
+// count of calls that found the cursor past the buffers' capacity. Calls that may run at the same
+// time (on different streams, or a captured graph beside eager calls) are given different
+// regions by the host.
 constexpr int64_t kMaxBlocks = 2048;
 constexpr int64_t kRegions = 8;
 constexpr int64_t kRegionDoubles = kPartials * kMaxBlocks;
 constexpr int64_t kCountersAt = kRegions * kRegionDoubles;
-constexpr int64_t kDroppedAt = kCountersAt + kRegions;
+constexpr int64_t kDroppedAt = kCountersAt + kRegions * kListTensors;
 constexpr int64_t kWorkspaceDoubles = kDroppedAt + 1;
 
 template <typename T, int Width>
@@ -76,8 +81,8 @@ struct Buffers {
   float* extra;
   int64_t* hist;
   const int64_t* cursor;
-  double* partials;  // the call's region
-  unsigned int* finished;
+  double* partials;        // the call's region
+  unsigned int* finished;  // the region's kListTensors counters, each a double apart
   unsigned long long* dropped;
   int64_t slot;
   int64_t modules;
@@ -100,7 +105,7 @@ inline Buffers buffers_for(double* state, float* stats, float* extra, int64_t* h
   b.hist = hist;
   b.cursor = cursor;
   b.partials = workspace + region * kRegionDoubles;
-  b.finished = reinterpret_cast<unsigned int*>(workspace + kCountersAt + region);
+  b.finished = reinterpret_cast<unsigned int*>(workspace + kCountersAt + region * kListTensors);
   b.dropped = reinterpret_cast<unsigned long long*>(workspace + kDroppedAt);
   b.slot = slot;
   b.modules = modules;
@@ -122,21 +127,71 @@ struct LaunchPlan {
 };
 
 template <typename T>
-LaunchPlan plan_launch(const T* x, const T* base, int64_t n, int64_t resident) {
-  constexpr int64_t kVec = kVecBytes / sizeof(T);
+int64_t head_of(const T* x, const T* base, int64_t n) {
   const auto misalignment = static_cast<int64_t>(reinterpret_cast<uintptr_t>(x) % kVecBytes);
   const bool base_aligned =
-      base == nullptr || reinterpret_cast<uintptr_t>(base) % kVecBytes == misalignment;
+      base == nullptr ||
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(base) % kVecBytes) == misalignment;
   // Values that do not sit on their own size's boundary never reach a vector boundary.
-  int64_t head = !base_aligned || misalignment % static_cast<int64_t>(sizeof(T)) != 0
-                     ? n
-                     : (kVecBytes - misalignment) % kVecBytes / static_cast<int64_t>(sizeof(T));
-  head = head < n ? head : n;
-  const int64_t per_block = kThreads * kVec;
-  int64_t blocks = (n + per_block - 1) / per_block;
-  blocks = blocks < resident ? blocks : resident;
-  blocks = blocks < kMaxBlocks ? blocks : kMaxBlocks;
-  return {head, blocks};
+  const int64_t head =
+      !base_aligned || misalignment % static_cast<int64_t>(sizeof(T)) != 0
+          ? n
+          : (kVecBytes - misalignment) % kVecBytes / static_cast<int64_t>(sizeof(T));
+  return head < n ? head : n;
+}
+
+// Blocks worth giving n values of T, at most `resident`.
+template <typename T>
+int64_t blocks_for(int64_t n, int64_t resident) {
+  const int64_t per_block = kThreads * (kVecBytes / static_cast<int64_t>(sizeof(T)));
+  const int64_t blocks = (n + per_block - 1) / per_block;
+  return blocks < resident ? blocks : resident;
+}
+
+template <typename T>
+LaunchPlan plan_launch(const T* x, const T* base, int64_t n, int64_t resident) {
+  const int64_t blocks = blocks_for<T>(n, resident);
+  return {head_of(x, base, n), blocks < kMaxBlocks ? blocks : kMaxBlocks};
+}
+
+// One launch of the list kernel: up to kListTensors tensors of one dtype, tensor t taking blocks
+// [first_block[t], first_block[t + 1]) and its partials at those indices.
+struct TensorTable {
+  const void* x[kListTensors];
+  const void* base[kListTensors];  // null without a base
+  int64_t n[kListTensors];
+  int64_t head[kListTensors];
+  int64_t slot[kListTensors];
+  int32_t first_block[kListTensors + 1];
+  int32_t count;
+};
+
+// Fills `table` with tensors [begin, end) of (x, base, n, slot), end - begin <= kListTensors and
+// none empty: each gets its share of `resident` blocks (at least one), in all at most kMaxBlocks.
+template <typename T>
+void plan_table(TensorTable& table, const T* const* x, const T* const* base, const int64_t* n,
+                const int64_t* slot, int64_t begin, int64_t end, int64_t resident) {
+  int64_t blocks[kListTensors];
+  int64_t total = 0, wanted = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    blocks[i - begin] = blocks_for<T>(n[i], resident);
+    wanted += blocks[i - begin];
+  }
+  const int64_t count = end - begin;
+  table.count = static_cast<int32_t>(count);
+  table.first_block[0] = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    int64_t b = blocks[t];
+    if (wanted > kMaxBlocks) b = 1 + (b - 1) * (kMaxBlocks - count) / (wanted - count);
+    table.x[t] = x[begin + t];
+    table.base[t] = base != nullptr ? base[begin + t] : nullptr;
+    table.n[t] = n[begin + t];
+    table.head[t] =
+        head_of(x[begin + t], base != nullptr ? base[begin + t] : nullptr, n[begin + t]);
+    table.slot[t] = slot[begin + t];
+    total += b;
+    table.first_block[t + 1] = static_cast<int32_t>(total);
+  }
 }
 
 template <bool Full>
@@ -339,17 +394,13 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
   }
 }
 
+// Block `block` of the `blocks` that read the n values at x (minus base, with Diff) for slot
+// b.slot at column `column`: its partials go to partials[block], its ticket to *finished, and
+// the last of them merges all into the slot and resets *finished for the next call.
 template <typename T, typename Acc, bool Full, bool Hist, bool Diff>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
-    accumulate_stats_kernel(const T* __restrict__ x, const T* __restrict__ base, int64_t n,
-                            int64_t head, Buffers b) {
-  // A CUDA graph replayed past the capacity it was captured with finds the cursor beyond its
-  // buffers: the call is counted, for the host to report on reading, and writes nothing.
-  const int64_t column = *b.cursor;
-  if (column < 0 || column >= b.capacity) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(b.dropped, 1ull);
-    return;
-  }
+__device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ base, int64_t n,
+                                 int64_t head, const Buffers& b, int64_t column, unsigned block,
+                                 unsigned blocks, double* partials, unsigned int* finished) {
   FASTHOOKS_DYNAMIC_SHARED(dynamic_shared);
   auto* lower = reinterpret_cast<Acc*>(dynamic_shared);
   auto* hist = reinterpret_cast<unsigned int*>(lower + kMaxBins + 1);
@@ -366,8 +417,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   Stats moments;
   Extremes<Acc> e;
   constexpr int kVec = kVecBytes / sizeof(T);
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(blocks) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(block) * blockDim.x + threadIdx.x;
   const int64_t vectors = (n - head) / kVec;
   const T* tail = x + head + vectors * kVec;
   // Where a base is given its values sit at the same offsets, so the same cuts align it too.
@@ -406,19 +457,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   block_reduce<Full>(moments);
   __shared__ bool last_block;
   if (threadIdx.x == 0) {
-    store_state<Full>(b.partials + kPartials * blockIdx.x, 1, moments);
+    store_state<Full>(partials + kPartials * block, 1, moments);
     __threadfence();  // release: the partials are visible before the ticket is taken
-    last_block = atomicAdd(b.finished, 1u) == gridDim.x - 1;
+    last_block = atomicAdd(finished, 1u) == blocks - 1;
   }
   __syncthreads();
   if (!last_block) return;
   __threadfence();  // acquire: every block's partials are read after its ticket
 
   Stats total;
-  for (int blk = threadIdx.x; blk < gridDim.x; blk += blockDim.x) {
+  for (int blk = threadIdx.x; blk < static_cast<int>(blocks); blk += blockDim.x) {
     double v[kPartials];
     for (int f = 0; f < (Full ? kFullPlanes : kBasicPlanes); ++f) {
-      v[f] = __ldcg(b.partials + kPartials * blk + f);
+      v[f] = __ldcg(partials + kPartials * blk + f);
     }
     total = merge<Full>(total, load_state<Full>(v, 1));
   }
@@ -428,8 +479,45 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     const SlotPointers slot{b.state + cell, plane, b.stats + cell, plane,
                             Full ? b.extra + cell : nullptr};
     store_slot<Full>(slot, merge<Full>(load_slot<Full>(slot), total));
-    *b.finished = 0;  // ready for the next call: no memset needed
+    *finished = 0;  // ready for the next call: no memset needed
   }
+}
+
+// A CUDA graph replayed past the capacity it was captured with finds the cursor beyond its
+// buffers: the call is counted (`calls` of them), for the host to report on reading, and
+// writes nothing. Returns the column, or -1 for such a call.
+__device__ inline int64_t column_or_drop(const Buffers& b, unsigned long long calls) {
+  const int64_t column = *b.cursor;
+  if (column >= 0 && column < b.capacity) return column;
+  if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(b.dropped, calls);
+  return -1;
+}
+
+template <typename T, typename Acc, bool Full, bool Hist, bool Diff>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
+    accumulate_stats_kernel(const T* __restrict__ x, const T* __restrict__ base, int64_t n,
+                            int64_t head, Buffers b) {
+  const int64_t column = column_or_drop(b, 1);
+  if (column < 0) return;
+  accumulate_block<T, Acc, Full, Hist, Diff>(x, base, n, head, b, column, blockIdx.x, gridDim.x,
+                                             b.partials, b.finished);
+}
+
+// Every tensor of a table in one launch: block i works for the tensor whose blocks hold i.
+template <typename T, typename Acc, bool Full, bool Hist, bool Diff>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
+    accumulate_list_kernel(const __grid_constant__ TensorTable table, Buffers b) {
+  const int64_t column = column_or_drop(b, static_cast<unsigned long long>(table.count));
+  if (column < 0) return;
+  int t = 0;
+  while (static_cast<int32_t>(blockIdx.x) >= table.first_block[t + 1]) ++t;
+  const int32_t first = table.first_block[t];
+  Buffers own = b;
+  own.slot = table.slot[t];
+  accumulate_block<T, Acc, Full, Hist, Diff>(
+      static_cast<const T*>(table.x[t]), static_cast<const T*>(table.base[t]), table.n[t],
+      table.head[t], own, column, blockIdx.x - first, table.first_block[t + 1] - first,
+      b.partials + kPartials * first, b.finished + 2 * t);
 }
 
 // The dynamic shared memory of a kernel: bin edges and the block's histogram.
@@ -444,33 +532,54 @@ struct KernelOf {
   static constexpr auto kernel = Kernel;
 };
 
-// Calls launch(KernelOf<kernel>{}, dynamic shared bytes) with the kernel for T and the
-// statistics asked for; with a base (diff), every statistic is.
-template <typename T, typename Launch>
+// The one-tensor kernel, or with List the list kernel.
+template <bool List, typename T, typename Acc, bool Full, bool Hist, bool Diff>
+constexpr auto kernel_for() {
+  if constexpr (List) {
+    return accumulate_list_kernel<T, Acc, Full, Hist, Diff>;
+  } else {
+    return accumulate_stats_kernel<T, Acc, Full, Hist, Diff>;
+  }
+}
+
+// Calls launch(KernelOf<kernel>{}, dynamic shared bytes) with the kernel (the list kernel with
+// List) for T and the statistics asked for; with a base (diff), every statistic is.
+template <typename T, bool List = false, typename Launch>
 void with_kernel(bool full, bool hist, bool diff, Launch&& launch) {
   using Acc = typename Accumulator<T>::type;
   if (diff && hist) {
-    return launch(KernelOf<accumulate_stats_kernel<T, Acc, true, true, true>>{},
+    return launch(KernelOf<kernel_for<List, T, Acc, true, true, true>()>{},
                   shared_bytes<Acc, true>());
   }
   if (diff) {
-    return launch(KernelOf<accumulate_stats_kernel<T, Acc, true, false, true>>{},
+    return launch(KernelOf<kernel_for<List, T, Acc, true, false, true>()>{},
                   shared_bytes<Acc, false>());
   }
   if (full && hist) {
-    return launch(KernelOf<accumulate_stats_kernel<T, Acc, true, true, false>>{},
+    return launch(KernelOf<kernel_for<List, T, Acc, true, true, false>()>{},
                   shared_bytes<Acc, true>());
   }
   if (full) {
-    return launch(KernelOf<accumulate_stats_kernel<T, Acc, true, false, false>>{},
+    return launch(KernelOf<kernel_for<List, T, Acc, true, false, false>()>{},
                   shared_bytes<Acc, false>());
   }
   if (hist) {
-    return launch(KernelOf<accumulate_stats_kernel<T, Acc, false, true, false>>{},
+    return launch(KernelOf<kernel_for<List, T, Acc, false, true, false>()>{},
                   shared_bytes<Acc, true>());
   }
-  launch(KernelOf<accumulate_stats_kernel<T, Acc, false, false, false>>{},
-         shared_bytes<Acc, false>());
+  launch(KernelOf<kernel_for<List, T, Acc, false, false, false>()>{}, shared_bytes<Acc, false>());
+}
+
+// Calls launch(table) for each launch of the list kernel over `count` non-empty tensors.
+template <typename T, typename Launch>
+void for_each_table(const T* const* x, const T* const* base, const int64_t* n, const int64_t* slot,
+                    int64_t count, int64_t resident, Launch&& launch) {
+  for (int64_t begin = 0; begin < count; begin += kListTensors) {
+    const int64_t end = begin + kListTensors < count ? begin + kListTensors : count;
+    TensorTable table{};
+    plan_table(table, x, base, n, slot, begin, end, resident);
+    launch(table);
+  }
 }
 
 }  // namespace cuda

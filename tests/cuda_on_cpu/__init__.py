@@ -45,6 +45,10 @@ _SIGNATURES = {
     "harness_break_a_rule": ([_INT], None),
     "harness_plan": ([_INT, _P, _I64, _I64, _P], None),
     "harness_region_of": ([_P, ctypes.c_ulonglong, _INT, ctypes.c_char_p, _I64], _I64),
+    "harness_accumulate_list": (
+        [_INT, _P, _P, _P, _P, _I64, *[_P] * 6, *[_I64] * 4, _INT, _D, _D, _D, _I64],
+        _INT,
+    ),
     "harness_accumulate": (
         [_INT, _P, _P, _I64, *[_P] * 6, *[_I64] * 5, _INT, _D, _D, _D, _I64],
         _INT,
@@ -234,21 +238,58 @@ def accumulate_list(
     near_zero: float = 0.05,
     hist_min: float = 0.0,
     hist_max: float = 10.0,
+    *,
+    stream: int = 0,
 ) -> None:
-    """`accumulate_stats_list` through the CUDA kernels: one launch per tensor, in slot order."""
+    """`accumulate_stats_list` through the CUDA list kernel: the non-empty tensors grouped by
+    dtype, each group in launches of up to 64 tensors, as the host code does."""
+    if workspace.numel() == 0:
+        workspace = workspace_for(state)
+    groups: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor | None, int]]] = {}
     for slot, x in enumerate(xs):
+        if x.numel() == 0:
+            continue
         base = bases[slot] if bases else None
-        accumulate(
-            x,
-            state,
-            stats,
-            extra,
-            hist,
-            workspace,
-            cursor,
-            slot,
+        if base is not None and not (base.stride() == x.stride() and _dense(x)):
+            x, base = x.contiguous(), base.contiguous()
+        elif base is None and not (x.is_contiguous() or _dense(x)):
+            x = x.contiguous()
+        groups.setdefault(x.dtype, []).append((x, base, slot))
+    lib = library()
+    errors = counts()["errors"]
+    region = region_of(workspace, stream)
+    for dtype, members in groups.items():
+        count = len(members)
+        pointers = (ctypes.c_void_p * count)(*[x.data_ptr() for x, _, _ in members])
+        base_pointers = (ctypes.c_void_p * count)(
+            *[b.data_ptr() for _, b, _ in members if b is not None]
+        )
+        sizes = (ctypes.c_int64 * count)(*[x.numel() for x, _, _ in members])
+        slots = (ctypes.c_int64 * count)(*[slot for _, _, slot in members])
+        full = state.shape[0] == 9
+        bins = hist.shape[2] if hist.numel() > 0 else 0
+        lib.harness_accumulate_list(
+            DTYPES[dtype],
+            pointers,
+            base_pointers if bases else None,
+            sizes,
+            slots,
+            count,
+            state.data_ptr(),
+            stats.data_ptr(),
+            extra.data_ptr() if full else None,
+            hist.data_ptr() if bins else None,
+            cursor.data_ptr(),
+            workspace.data_ptr(),
+            region,
+            state.shape[1],
+            state.shape[2],
+            bins,
+            int(full),
             near_zero,
             hist_min,
             hist_max,
-            base=base,
+            resident_blocks(),
         )
+    if counts()["errors"] != errors:
+        raise DeviceCodeError(lib.harness_last_error().decode())

@@ -41,6 +41,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __grid_constant__
 #define __align__(n) alignas(n)
 #define __shared__ static thread_local
 #define FASTHOOKS_DYNAMIC_SHARED(name) unsigned char* name = ::cuda_on_cpu::dynamic_shared()

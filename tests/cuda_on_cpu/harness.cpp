@@ -27,6 +27,21 @@ void run(const void* data, const void* base_data, int64_t n, const Buffers& buff
   });
 }
 
+template <typename T>
+void run_list(const void* const* data, const void* const* base_data, const int64_t* n,
+              const int64_t* slot, int64_t count, const Buffers& buffers, bool full,
+              int64_t resident) {
+  const auto* x = reinterpret_cast<const T* const*>(data);
+  const auto* base = reinterpret_cast<const T* const*>(base_data);
+  with_kernel<T, true>(full, buffers.bins > 0, base != nullptr, [&](auto kernel_of, size_t shared) {
+    for_each_table(x, base, n, slot, count, resident, [&](const TensorTable& table) {
+      cuda_on_cpu::launch(decltype(kernel_of)::kernel,
+                          static_cast<unsigned>(table.first_block[table.count]), kThreads, shared,
+                          table, buffers);
+    });
+  });
+}
+
 // Kernels that break a rule of CUDA, to show that the emulation catches each.
 __global__ void shuffle_outside_its_mask() {
   // Lane 1 reads lane 2, which the mask leaves out.
@@ -122,6 +137,35 @@ int harness_accumulate(int dtype, const void* x, const void* base, int64_t n, do
       return 0;
     case 3:
       run<torch::headeronly::BFloat16>(x, base, n, b, full != 0, resident);
+      return 0;
+    default:
+      return 1;
+  }
+}
+
+// The list kernel over `count` non-empty tensors of one dtype (their slots in `slot`), bases
+// null or one per tensor, as accumulate_stats_list launches it for each dtype.
+int harness_accumulate_list(int dtype, const void* const* x, const void* const* base,
+                            const int64_t* n, const int64_t* slot, int64_t count, double* state,
+                            float* stats, float* extra, int64_t* hist, const int64_t* cursor,
+                            double* workspace, int64_t region, int64_t modules, int64_t capacity,
+                            int64_t bins, int full, double near_zero, double hist_min,
+                            double hist_max, int64_t resident) {
+  if (count == 0) return 0;
+  const Buffers b = buffers_for(state, stats, extra, hist, cursor, workspace, region, 0, modules,
+                                capacity, bins, near_zero, hist_min, hist_max);
+  switch (dtype) {
+    case 0:
+      run_list<float>(x, base, n, slot, count, b, full != 0, resident);
+      return 0;
+    case 1:
+      run_list<double>(x, base, n, slot, count, b, full != 0, resident);
+      return 0;
+    case 2:
+      run_list<torch::headeronly::Half>(x, base, n, slot, count, b, full != 0, resident);
+      return 0;
+    case 3:
+      run_list<torch::headeronly::BFloat16>(x, base, n, slot, count, b, full != 0, resident);
       return 0;
     default:
       return 1;
