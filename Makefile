@@ -26,7 +26,7 @@ CUDA_ARCHS ?= 8.0;9.0
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor-cache
 export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 
-.PHONY: setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa test-cuda-build test-wheel wheel lint bench bench-train bench-quick bench-cpu bench-abi clean
+.PHONY: setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa test-cuda-build test-wheel wheel lint bench bench-train bench-quick bench-cpu bench-params bench-abi clean
 
 $(VENV)/.ready: Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -97,7 +97,7 @@ test-cuda-build: $(CUDA_VENV)/.ready
 		$(CUDA_VENV)/bin/python setup.py -q build --build-base build/cuda --build-lib $(CUDA_LIB)
 	PYTHONPATH=$(CUDA_LIB) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_CUDA_KERNEL=1 \
 		CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} $(CUDA_VENV)/bin/pytest -p no:cacheprovider \
-		-m "not cuda_on_cpu" --ignore=tests/test_model_zoo.py
+		-m "not cuda_on_cpu and not slow" --ignore=tests/test_model_zoo.py
 
 # One abi3 wheel for this platform, built against the CPU torch; it serves every torch >= 2.10.
 wheel: $(VENV)/.ready
@@ -127,6 +127,9 @@ bench-quick: build
 
 bench-cpu: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/cpu_kernels.py --out results/cpu_kernels
+
+bench-params: build
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/parameter_overhead.py --out results/parameter_overhead
 
 # The same kernels on torch's C++ API (the last commit before the stable-ABI port), built here.
 CPP_API_COMMIT := 1eca956721744daf40780b29a1653acec0e765a9

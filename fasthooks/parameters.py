@@ -3,7 +3,6 @@ optimizer step, recorded on the parameters' device without a host sync."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from torch import nn
 
 from . import checkpoint
 from .buffers import HostCopy, StatBuffers
-from .layout import DERIVED_EXTRAS
+from .layout import COUNT, DERIVED_EXTRAS, M2, MEAN
 from .ops import resolve_list_backend
 from .stats import _check_extra, _check_hist, _uncompiled_name, count_argument, read_extras
 
@@ -94,7 +93,9 @@ class ParameterStats:
     (`accumulate_stats_list`), on the parameters' device, with no host sync. The update is the
     difference of the parameters and a snapshot taken before the step, computed inside that
     call; the snapshot is one copy of the recorded parameters, kept for the run (its memory:
-    as much as the parameters), taken only on recorded steps. A parameter without a gradient
+    as much as the parameters), taken only on recorded steps, with one more pass (mean and std)
+    over the weights before the step for `update_ratio`. Nothing is allocated per step but
+    the buffers' doubling. A parameter without a gradient
     in a step reads NaN and counts 0 there. Gradient accumulation gives one column per optimizer
     step by construction. A step that `GradScaler` skips (non-finite gradients) calls no
     `optimizer.step()` and so records no column.
@@ -163,7 +164,7 @@ class ParameterStats:
         self._step_ids: list[int] = []
         self._recording = False
         self._host = {kind: _host_copies() for kind in self.kinds}
-        self._host_norm = HostCopy(1, torch.float64)
+        self._host_before = HostCopy(2, torch.float64)
 
     # Lifecycle ------------------------------------------------------------------------------
 
@@ -189,17 +190,19 @@ class ParameterStats:
             kind: StatBuffers(len(self._params), capacity, device, full, self.hist_bins)
             for kind in self.kinds
         }
+        if "update" in self.kinds:  # the weights before the step, for update_ratio
+            self._before = StatBuffers(len(self._params), capacity, device, False, 0)
         with torch.inference_mode(False):
-            self._before_norm = torch.full((len(self._params), capacity), math.nan, device=device)
-            self._snapshots = (
-                [p.detach().clone() for p in self._params] if "update" in self.kinds else []
-            )
+            self._weights = [p.detach() for p in self._params]  # views: in place steps show
+            self._snapshots = [w.clone() for w in self._weights] if "update" in self.kinds else []
             self._no_grad = torch.empty(0, device=device)
         if resume is not None:
             for kind in self.kinds:
                 saved = {"num_batches": resume["num_steps"], **resume["buffers"][kind]}
                 checkpoint.restore(saved, self._buffers[kind])
-            self._before_norm[:, : resume["num_steps"]].copy_(resume["before_norm"])
+            if "update" in self.kinds:
+                saved = {"num_batches": resume["num_steps"], "state": resume["before"]}
+                checkpoint.restore(saved, self._before)
             self._num_steps, self._step_count = resume["num_steps"], resume["step_count"]
             self._step_ids = resume["steps"].tolist()
         self._handles = [
@@ -215,9 +218,11 @@ class ParameterStats:
 
     # Recording ------------------------------------------------------------------------------
 
-    def _call(self, kind: str, xs: list[torch.Tensor], bases: list[torch.Tensor]) -> None:
-        b = self._buffers[kind]
+    def _call(self, b: StatBuffers, xs: list[torch.Tensor], bases: list[torch.Tensor]) -> None:
         self._accumulate(xs, bases, *b.op_args(), self.near_zero, self.hist_min, self.hist_max)
+
+    def _all_buffers(self) -> list[StatBuffers]:
+        return [*self._buffers.values(), *([self._before] if "update" in self.kinds else [])]
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._recording = self._step_count % self.every == 0
@@ -226,22 +231,18 @@ class ParameterStats:
         with torch.no_grad():
             if "grad" in self.kinds:
                 grads = [p.grad if p.grad is not None else self._no_grad for p in self._params]
-                self._call("grad", [g.detach() for g in grads], [])
+                self._call(self._buffers["grad"], [g.detach() for g in grads], [])
             if "update" in self.kinds:
-                params = [p.detach() for p in self._params]
-                torch._foreach_copy_(self._snapshots, params)
-                norms = torch.stack(torch._foreach_norm(params)).float()
-                column = self._buffers["update"].cursor.reshape(1)
-                self._before_norm.index_copy_(1, column, norms.unsqueeze(1))
+                torch._foreach_copy_(self._snapshots, self._weights)
+                self._call(self._before, self._weights, [])
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._recording:
             with torch.no_grad():
-                params = [p.detach() for p in self._params]
                 if "weight" in self.kinds:
-                    self._call("weight", params, [])
+                    self._call(self._buffers["weight"], self._weights, [])
                 if "update" in self.kinds:
-                    self._call("update", params, self._snapshots)
+                    self._call(self._buffers["update"], self._weights, self._snapshots)
             self._close_column()
         self._recording = False
         self._step_count += 1
@@ -249,18 +250,10 @@ class ParameterStats:
     def _close_column(self) -> None:
         self._step_ids.append(self._step_count)
         self._num_steps += 1
-        for b in self._buffers.values():
+        for b in self._all_buffers():
             if self._num_steps == b.capacity:
                 b.grow()
             b.cursor.add_(1)
-        if self._num_steps == self._before_norm.shape[1]:
-            grown = torch.full(
-                (self._before_norm.shape[0], 2 * self._num_steps),
-                math.nan,
-                device=self._before_norm.device,
-            )
-            grown[:, : self._num_steps].copy_(self._before_norm)
-            self._before_norm = grown
 
     # Reading --------------------------------------------------------------------------------
 
@@ -309,7 +302,8 @@ class ParameterStats:
         (the learning-rate diagnostic; around 1e-3 is the usual rule of thumb)."""
         if "update" not in self.kinds:
             raise AttributeError('update_ratio needs "update" among the kinds recorded (of=)')
-        before = self._host_norm.read(self._before_norm.double(), self._num_steps)
+        state = self._host_before.read(self._before.state, self._num_steps)
+        before = (state[M2] + state[COUNT] * state[MEAN] * state[MEAN]).sqrt()
         return (self.extra["update"]["norm"].double() / before).float()
 
     def global_norm(self, kind: str = "grad") -> torch.Tensor:
@@ -399,7 +393,9 @@ class ParameterStats:
             "step_count": self._step_count,
             "steps": self.steps,
             "buffers": buffers,
-            "before_norm": self._before_norm[:, :n].cpu() if self._buffers else torch.empty(0),
+            "before": self._before.state[:, :, :n].cpu()
+            if self._buffers and "update" in self.kinds
+            else torch.empty(0),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -376,3 +376,25 @@ def test_float64_values_are_binned_right_beyond_float32(accumulate):
     x = torch.randn(1000, dtype=torch.float64)
     accumulate(x, *b.op_args(), 0, 0.05, -1e39, 1e39)
     assert b.hist[0, 0].tolist() == [0, int((x < 0).sum()), int((x >= 0).sum()), 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_norm_and_absmax_of_activations(backend):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    batches = [torch.randn(32, 8) * (i + 1) for i in range(3)]
+    with ActivationStats(model, backend=backend, extra=["norm", "absmax"]) as act:
+        for x in batches:
+            model(x)
+            model(x[:5])  # two calls in a batch merge
+            act.on_batch_end()
+    with hook_outputs(act.modules) as outputs:
+        for b, x in enumerate(batches):
+            model(x)
+            first = [o.clone() for o in outputs.stored]
+            model(x[:5])
+            for m, (o1, o2) in enumerate(zip(first, outputs.stored, strict=True)):
+                values = torch.cat([o1.reshape(-1), o2.reshape(-1)]).double()
+                norm = act.extra["norm"][m, b].item()
+                assert norm == pytest.approx(values.norm().item(), rel=1e-5)
+                assert act.extra["absmax"][m, b].item() == values.abs().max().item()
