@@ -5,7 +5,7 @@ import torch
 from conftest import BACKENDS, CUDA, reference_stats
 from torch import nn
 
-from fasthooks import ActivationStats, hook_outputs
+from fasthooks import ActivationStats, ParameterStats, hook_outputs
 
 pytestmark = [pytest.mark.cuda, CUDA]
 EVERY_STAT = {"extra": ("min", "max", "near_zero", "nonfinite", "kurtosis"), "hist_bins": 40}
@@ -158,3 +158,31 @@ def test_hooks_on_two_streams_at_once_stay_apart():
         first(x), second(x)
         want = reference_stats([list(outputs.stored)])
     torch.testing.assert_close(act.stats.double(), want.expand(-1, -1, 3), rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parameter_stats_never_synchronise_and_match_the_cpu(backend):
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 3, 32, 32, device="cuda")
+    ps = ParameterStats(model, opt, backend=backend, hist_bins=8, expected_steps=2)
+    ps.start()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):  # past expected_steps: growing must not sync either
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ps.stop()
+    assert ps.stats["grad"].shape == (2, len(ps.param_names), 3)
+    assert ps.stats["update"].isfinite().all() and ps.update_ratio.isfinite().all()
+    weights = [p.detach().double() for p in model.parameters()]
+    torch.testing.assert_close(
+        ps.extra["weight"]["norm"][:, -1].double(),
+        torch.stack([w.norm() for w in weights]).cpu(),
+        rtol=1e-5,
+        atol=1e-6,
+    )
