@@ -29,12 +29,16 @@ EXTRA_PLANES = ("min", "max", "near_zero", "kurtosis")
 MAX_HIST_BINS = 2048
 # The CUDA kernels' workspace (csrc/cuda/accumulate_kernel.cuh): per-block partial results (the
 # state planes of up to CUDA_MAX_BLOCKS blocks) in one region for each stream a run's hooks are
-# called from, up to CUDA_WORKSPACE_REGIONS; each region's finished-blocks counter; and the count
-# of calls dropped because the cursor was past the buffers' capacity (a CUDA graph replayed past
+# called from, up to CUDA_WORKSPACE_REGIONS; each region's finished-blocks counters, one for each
+# of the CUDA_LIST_TENSORS tensors a launch of the list kernel takes; and the count of calls
+# dropped because the cursor was past the buffers' capacity (a CUDA graph replayed past
 # `expected_batches`), read back as CUDA_DROPPED_CALLS.
 CUDA_MAX_BLOCKS = 2048
 CUDA_WORKSPACE_REGIONS = 8
-CUDA_WORKSPACE_DOUBLES = CUDA_WORKSPACE_REGIONS * (len(STATE_PLANES) * CUDA_MAX_BLOCKS + 1) + 1
+CUDA_LIST_TENSORS = 64
+CUDA_WORKSPACE_DOUBLES = (
+    CUDA_WORKSPACE_REGIONS * (len(STATE_PLANES) * CUDA_MAX_BLOCKS + CUDA_LIST_TENSORS) + 1
+)
 CUDA_DROPPED_CALLS = CUDA_WORKSPACE_DOUBLES - 1
 
 COUNT, MEAN, M2, M3, M4, MIN, MAX, NEAR_ZERO, NONFINITE = range(len(STATE_PLANES))
