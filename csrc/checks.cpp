@@ -201,4 +201,17 @@ bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& s
   return full;
 }
 
+bool check_call_order(const Tensor& order, const Tensor& clock, const Tensor& state) {
+  if (order.numel() == 0) return false;
+  check_buffer(order, "order", ScalarType::Long, {2, state.size(1), state.size(2)});
+  FASTHOOKS_CHECK(dtype_of(clock) == ScalarType::Long && clock.numel() == 1,
+                  "accumulate_stats: clock must be a one-element int64 tensor, got ",
+                  clock.scalar_type(), " of shape ", shape_of(clock));
+  const Place place = place_of(state);
+  FASTHOOKS_CHECK(place_of(order) == place && place_of(clock) == place,
+                  "accumulate_stats: order and clock must be on the state's device ",
+                  device_of(state), ", got ", device_of(order), " and ", device_of(clock));
+  return true;
+}
+
 }  // namespace fasthooks

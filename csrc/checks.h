@@ -66,4 +66,9 @@ bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& s
                            const Tensor& extra, const Tensor& hist, const Tensor& workspace,
                            const Tensor& cursor, int64_t slot, double hist_min, double hist_max);
 
+// The call-order buffer and the call clock (stats.h, note_call_order): an empty order keeps none;
+// else int64 (2, modules, batches) beside a one-element int64 clock, both on the state's device.
+// Returns whether the call order is kept.
+bool check_call_order(const Tensor& order, const Tensor& clock, const Tensor& state);
+
 }  // namespace fasthooks

@@ -166,4 +166,18 @@ C10_HOST_DEVICE inline void store_slot(const SlotPointers& p, const Stats& s) {
   }
 }
 
+// The call order a run keeps (fasthooks/layout.py's ORDER_PLANES), an int64 (2, modules, batches)
+// buffer beside the statistics: for each slot, 1 + the clock of the module's first call in that
+// batch whose values held a NaN or an infinity (0: none yet), and how many they were (-1 with
+// mean and std only, where a non-finite mean is what tells). `position` is the device's call
+// clock as this call took it.
+template <bool Full>
+C10_HOST_DEVICE inline void note_call_order(int64_t* first, int64_t plane, int64_t position,
+                                            const Stats& call) {
+  const bool nonfinite = Full ? call.nonfinite > 0.0 : !(call.mean - call.mean == 0.0);
+  if (!nonfinite || first[0] != 0) return;
+  first[0] = position + 1;
+  first[plane] = Full ? static_cast<int64_t>(call.nonfinite) : -1;
+}
+
 }  // namespace fasthooks

@@ -14,8 +14,28 @@ from .layout import (
     CUDA_WORKSPACE_DOUBLES,
     EXTRA_PLANES,
     NONFINITE,
+    ORDER_PLANES,
     state_planes,
 )
+
+_clocks: dict[torch.device, torch.Tensor] = {}
+
+
+def call_clock(device: torch.device | str) -> torch.Tensor:
+    """The device's call clock: a one-element int64 tensor that every hooked call of every run on
+    the device advances, so that calls of different runs (a forward and a backward one) compare.
+
+    Example:
+        >>> call_clock("cpu") is call_clock(torch.device("cpu"))
+        True
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _clocks:
+        with torch.inference_mode(False):
+            _clocks[device] = torch.zeros(1, dtype=torch.int64, device=device)
+    return _clocks[device]
 
 
 class StatBuffers:
@@ -23,8 +43,8 @@ class StatBuffers:
 
     Example:
         >>> b = StatBuffers(3, 8, "cpu", full=True, hist_bins=40)
-        >>> [tuple(t.shape) for t in (b.state, b.stats, b.extra, b.hist)]
-        [(9, 3, 8), (2, 3, 8), (4, 3, 8), (3, 8, 40)]
+        >>> [tuple(t.shape) for t in (b.state, b.stats, b.extra, b.hist, b.order)]
+        [(9, 3, 8), (2, 3, 8), (4, 3, 8), (3, 8, 40), (2, 3, 8)]
     """
 
     def __init__(
@@ -49,6 +69,7 @@ class StatBuffers:
             dtype=torch.float64,
             device=device,
         )
+        self.clock = call_clock(device)
         self._allocate(num_modules, capacity, device)
 
     def _allocate(self, num_modules: int, capacity: int, device: torch.device) -> None:
@@ -60,24 +81,42 @@ class StatBuffers:
         self.extra = torch.full(extra_shape, float("nan"), device=device)
         hist_shape = (num_modules, capacity, self.hist_bins) if self.hist_bins else (0,)
         self.hist = torch.zeros(hist_shape, dtype=torch.int64, device=device)
+        order_shape = (len(ORDER_PLANES), num_modules, capacity)
+        self.order = torch.zeros(order_shape, dtype=torch.int64, device=device)
 
     @property
     def capacity(self) -> int:
         return self.state.shape[2]
 
     def op_args(self) -> tuple[torch.Tensor, ...]:
-        """(state, stats, extra, hist, workspace, cursor): the operator's buffer arguments."""
+        """(state, stats, extra, hist, workspace, order, clock, cursor): `accumulate_stats`'s
+        buffer arguments."""
+        return (
+            self.state,
+            self.stats,
+            self.extra,
+            self.hist,
+            self.workspace,
+            self.order,
+            self.clock,
+            self.cursor,
+        )
+
+    def list_op_args(self) -> tuple[torch.Tensor, ...]:
+        """(state, stats, extra, hist, workspace, cursor): `accumulate_stats_list`'s, which keeps
+        no call order."""
         return self.state, self.stats, self.extra, self.hist, self.workspace, self.cursor
+
+    def _columned(self) -> tuple[torch.Tensor, ...]:
+        return self.state, self.stats, self.extra, self.hist, self.order
 
     def grow(self) -> None:
         """Double the capacity, keeping every column."""
-        old = (self.state, self.stats, self.extra, self.hist)
+        old = self._columned()
         capacity = self.capacity
         with torch.inference_mode(False):
             self._allocate(self.state.shape[1], 2 * capacity, self.state.device)
-        for new, previous, axis in zip(
-            (self.state, self.stats, self.extra, self.hist), old, (2, 2, 2, 1), strict=True
-        ):
+        for new, previous, axis in zip(self._columned(), old, (2, 2, 2, 1, 2), strict=True):
             if previous.numel() > 0:
                 new.narrow(axis, 0, capacity).copy_(previous)
 
@@ -90,6 +129,7 @@ class StatBuffers:
             self.extra.index_fill_(2, column, float("nan"))
         if self.hist_bins:
             self.hist.index_fill_(1, column, 0)
+        self.order.index_fill_(2, column, 0)
 
     def dropped_calls(self) -> int:
         """How many calls the CUDA kernels dropped because the cursor was past the capacity (a

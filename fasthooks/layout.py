@@ -9,7 +9,11 @@ activations' device:
 - `stats`, float32 `(2, modules, batches)`: mean and unbiased std, finalised on every call;
 - `extra`, float32 `(len(EXTRA_PLANES), modules, batches)` with extras, else empty: finalised
   min, max, near-zero fraction and kurtosis (the non-finite count is the state's own plane);
-- `hist`, int64 `(modules, batches, bins)` with a histogram, else empty.
+- `hist`, int64 `(modules, batches, bins)` with a histogram, else empty;
+- `order`, int64 `(len(ORDER_PLANES), modules, batches)`: the call order. Every hooked call of
+  every run on a device advances that device's call clock (one int64, shared); a slot holds 1 +
+  the clock of the module's first call in that batch whose values held a NaN or an infinity (0:
+  none), and how many they were (-1 with mean and std only, where a non-finite mean tells).
 
 The C++ kernels carry the same plane order (`csrc/stats.h`); `torch.ops.fasthooks.layout()`
 reports it and a test compares the two.
@@ -25,6 +29,7 @@ STATE_PLANES = ("count", "mean", "m2", "m3", "m4", "min", "max", "near_zero", "n
 BASIC_PLANES = 3
 STATS_PLANES = ("mean", "std")
 EXTRA_PLANES = ("min", "max", "near_zero", "kurtosis")
+ORDER_PLANES = ("first_nonfinite", "nonfinite_count")
 # A CUDA block keeps its histogram and the bin edges in shared memory: this many fit on any GPU.
 MAX_HIST_BINS = 2048
 # The CUDA kernels' workspace (csrc/cuda/accumulate_kernel.cuh): per-block partial results (the

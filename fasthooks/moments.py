@@ -176,13 +176,16 @@ def accumulate_stats_python(
     extra: torch.Tensor,
     hist: torch.Tensor,
     workspace: torch.Tensor,
+    order: torch.Tensor,
+    clock: torch.Tensor,
     cursor: torch.Tensor,
     slot: int,
     near_zero: float,
     hist_min: float,
     hist_max: float,
 ) -> None:
-    """Merge the statistics of all of `x` into slot (`slot`, `cursor`) of the buffers, in place.
+    """Merge the statistics of all of `x` into slot (`slot`, `cursor`) of the buffers, in place,
+    and note the call in the call order (`order`, `clock`) unless `order` is empty.
 
     Example:
         >>> from fasthooks.buffers import StatBuffers
@@ -191,15 +194,35 @@ def accumulate_stats_python(
         >>> b.stats[:, 0, 0].tolist()
         [2.0, 1.4142135381698608]
     """
+    call = _merge_into_slot(x, state, stats, extra, hist, cursor, slot, near_zero, hist_min, hist_max)
+    if call is not None and order.numel() > 0:
+        note_call_order(order, clock, cursor, slot, call)
+
+
+def _merge_into_slot(
+    x: torch.Tensor,
+    state: torch.Tensor,
+    stats: torch.Tensor,
+    extra: torch.Tensor,
+    hist: torch.Tensor,
+    cursor: torch.Tensor,
+    slot: int,
+    near_zero: float,
+    hist_min: float,
+    hist_max: float,
+) -> torch.Tensor | None:
+    """x's statistics merged into the slot; returns the call's own state planes (None when x is
+    empty)."""
     if x.device != state.device:
         raise ValueError(f"x is on {x.device} but the statistics state is on {state.device}")
     if x.numel() == 0:
-        return
+        return None
     x = x.detach()
     full = state.shape[0] == len(STATE_PLANES)
     column = cursor.reshape(1)
     slot_state = state[:, slot]
-    merged = merge(slot_state.index_select(1, column)[:, 0], batch_stats(x, full, near_zero))
+    call = batch_stats(x, full, near_zero)
+    merged = merge(slot_state.index_select(1, column)[:, 0], call)
     slot_state.index_copy_(1, column, merged.unsqueeze(1))
     new_stats, new_extra = finalise(merged)
     stats[:, slot].index_copy_(1, column, new_stats.unsqueeze(1))
@@ -208,6 +231,26 @@ def accumulate_stats_python(
     if hist.numel() > 0:
         counts = histogram(x, hist.shape[2], hist_min, hist_max)
         hist[slot].index_add_(0, column, counts.unsqueeze(0))
+    return call
+
+
+def note_call_order(
+    order: torch.Tensor, clock: torch.Tensor, cursor: torch.Tensor, slot: int, call: torch.Tensor
+) -> None:
+    """Advance the call clock and, when the call held a NaN or an infinity and is the slot's first
+    to, note its position (plus one) and count in `order` (`layout.ORDER_PLANES`), as the kernels
+    do (csrc/stats.h)."""
+    full = call.shape[0] == len(STATE_PLANES)
+    nonfinite = call[NONFINITE] > 0 if full else ~call[MEAN].isfinite()
+    count = call[NONFINITE].long() if full else torch.full_like(clock.reshape(()), -1)
+    position = clock.reshape(()) + 1
+    clock.add_(1)
+    column = cursor.reshape(1)
+    noted = order[:, slot].index_select(1, column)[:, 0]
+    first = nonfinite & (noted[0] == 0)
+    order[:, slot].index_copy_(
+        1, column, torch.where(first, torch.stack((position, count)), noted).unsqueeze(1)
+    )
 
 
 def accumulate_stats_list_python(
@@ -262,6 +305,4 @@ def accumulate_stats_list_python(
             base = bases[slot]
             working = torch.float64 if x.dtype == torch.float64 else torch.float32
             x = x.detach().to(working) - base.detach().to(working)
-        accumulate_stats_python(
-            x, state, stats, extra, hist, workspace, cursor, slot, near_zero, hist_min, hist_max
-        )
+        _merge_into_slot(x, state, stats, extra, hist, cursor, slot, near_zero, hist_min, hist_max)

@@ -16,11 +16,22 @@ import torch
 from .moments import accumulate_stats_list_python, accumulate_stats_python
 from .torch_support import MIN_TORCH, MIN_TORCH_TEXT, torch_version
 
-# (x, state, stats, extra, hist, workspace, cursor, slot, near_zero, hist_min, hist_max)
+# (x, state, stats, extra, hist, workspace, order, clock, cursor, slot, near_zero, hist_min,
+# hist_max)
 Accumulate = Callable[..., None]
 BACKENDS = ("auto", "fused", "python")
 # The operator's tensor arguments in order; its scalars slot, near_zero, hist_min, hist_max follow.
-TENSOR_ARGUMENTS = ("x", "state", "stats", "extra", "hist", "workspace", "cursor")
+TENSOR_ARGUMENTS = (
+    "x",
+    "state",
+    "stats",
+    "extra",
+    "hist",
+    "workspace",
+    "order",
+    "clock",
+    "cursor",
+)
 BUILD_HINT = (
     "build it with `pip install --no-build-isolation .` (or `make test`) in an environment "
     "that has torch and a C++ compiler"
@@ -105,13 +116,16 @@ def accumulate_stats(
     extra: torch.Tensor,
     hist: torch.Tensor,
     workspace: torch.Tensor,
+    order: torch.Tensor,
+    clock: torch.Tensor,
     cursor: torch.Tensor,
     slot: int,
     near_zero: float = 0.05,
     hist_min: float = 0.0,
     hist_max: float = 10.0,
 ) -> None:
-    """Merge the statistics of all of `x` into slot (`slot`, `cursor`) with the fused operator.
+    """Merge the statistics of all of `x` into slot (`slot`, `cursor`) with the fused operator,
+    noting the call in the call order (`layout.ORDER_PLANES`) unless `order` is empty.
 
     Example:
         >>> from fasthooks.buffers import StatBuffers
@@ -124,7 +138,19 @@ def accumulate_stats(
         [2.0, 1.4142135381698608] [1.0, 3.0, 0.0, 1.0]
     """
     torch.ops.fasthooks.accumulate_stats(
-        x, state, stats, extra, hist, workspace, cursor, slot, near_zero, hist_min, hist_max
+        x,
+        state,
+        stats,
+        extra,
+        hist,
+        workspace,
+        order,
+        clock,
+        cursor,
+        slot,
+        near_zero,
+        hist_min,
+        hist_max,
     )
 
 

@@ -219,7 +219,7 @@ class ParameterStats:
     # Recording ------------------------------------------------------------------------------
 
     def _call(self, b: StatBuffers, xs: list[torch.Tensor], bases: list[torch.Tensor]) -> None:
-        self._accumulate(xs, bases, *b.op_args(), self.near_zero, self.hist_min, self.hist_max)
+        self._accumulate(xs, bases, *b.list_op_args(), self.near_zero, self.hist_min, self.hist_max)
 
     def _all_buffers(self) -> list[StatBuffers]:
         return [*self._buffers.values(), *([self._before] if "update" in self.kinds else [])]

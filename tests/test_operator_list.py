@@ -64,7 +64,7 @@ def test_each_tensor_or_difference_lands_in_its_slot(accumulate_list, with_bases
     bases = [before for _, before in pairs] if with_bases else []
     got, want = _buffers(xs, full, bins), _buffers(xs, full, bins)
     for _ in range(2):  # a second call merges into the same column
-        accumulate_list(xs, bases, *got.op_args(), *ARGS)
+        accumulate_list(xs, bases, *got.list_op_args(), *ARGS)
         for slot, x in enumerate(xs):
             if bases:
                 working = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -79,7 +79,7 @@ def test_an_update_of_half_values_is_taken_in_float(accumulate_list):
     before = torch.ones(1000, dtype=torch.bfloat16)
     after = before + torch.full((1000,), 2.0**-7, dtype=torch.bfloat16)
     b = StatBuffers(1, 1, "cpu", full=True, hist_bins=0)
-    accumulate_list([after], [before], *b.op_args(), *ARGS)
+    accumulate_list([after], [before], *b.list_op_args(), *ARGS)
     assert b.stats[:, 0, 0].tolist() == [2.0**-7, 0.0]
 
 
@@ -91,16 +91,16 @@ def test_list_errors_name_the_argument(accumulate_list):
     x = torch.randn(4)
     errors = (RuntimeError, ValueError)
     with pytest.raises(errors, match=r"xs has 3 tensors, more than the state's slots \(2\)"):
-        accumulate_list([x, x, x], [], *b.op_args(), *ARGS)
+        accumulate_list([x, x, x], [], *b.list_op_args(), *ARGS)
     with pytest.raises(errors, match="bases must be empty or hold one tensor per xs, got 1 for 2"):
-        accumulate_list([x, x], [x], *b.op_args(), *ARGS)
+        accumulate_list([x, x], [x], *b.list_op_args(), *ARGS)
     with pytest.raises(errors, match="differences from bases need every statistic"):
-        accumulate_list([x, x], [x, x], *b.op_args(), *ARGS)
+        accumulate_list([x, x], [x, x], *b.list_op_args(), *ARGS)
     full = StatBuffers(2, 1, "cpu", full=True, hist_bins=0)
     with pytest.raises(errors, match=r"bases\[1\] must match xs\[1\] in dtype, shape and device"):
-        accumulate_list([x, x], [x, x.double()], *full.op_args(), *ARGS)
+        accumulate_list([x, x], [x, x.double()], *full.list_op_args(), *ARGS)
     with pytest.raises(errors, match=r"bases\[0\] must match xs\[0\]"):
-        accumulate_list([x], [x[:3]], *full.op_args(), *ARGS)
+        accumulate_list([x], [x[:3]], *full.list_op_args(), *ARGS)
     assert (b.state == 0).all() and (full.state == 0).all()
 
 
@@ -112,7 +112,7 @@ def test_opcheck(with_bases):
     xs = [after for after, _ in pairs]
     bases = [before for _, before in pairs] if with_bases else []
     torch.library.opcheck(
-        torch.ops.fasthooks.accumulate_stats_list.default, (xs, bases, *b.op_args(), *ARGS)
+        torch.ops.fasthooks.accumulate_stats_list.default, (xs, bases, *b.list_op_args(), *ARGS)
     )
 
 
@@ -130,7 +130,7 @@ def test_more_tensors_than_one_launch_takes_with_empty_ones_between(accumulate_l
     bases = [x * 0.5 for x in xs]
     got = StatBuffers(150, 1, "cpu", full=True, hist_bins=8)
     want = StatBuffers(150, 1, "cpu", full=True, hist_bins=8)
-    accumulate_list(xs, bases, *got.op_args(), *ARGS)
-    accumulate_stats_list_python(xs, bases, *want.op_args(), *ARGS)
+    accumulate_list(xs, bases, *got.list_op_args(), *ARGS)
+    accumulate_stats_list_python(xs, bases, *want.list_op_args(), *ARGS)
     assert_buffers_close(got.op_args()[:4], want.op_args()[:4], rtol=1e-5, atol=1e-7)
     assert got.state[0, ::17].eq(0).all()  # the empty ones count nothing

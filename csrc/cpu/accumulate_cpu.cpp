@@ -66,7 +66,7 @@ Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_
 // The statistics of p's n values, or of p's minus base's (taken in Acc a chunk at a time into a
 // buffer that stays in cache, so each value is read once from memory), merged into the slot.
 template <bool Full, typename T, typename Acc>
-void merge_into_slot(const T* p, const T* base, int64_t n, ChunkFn<T, Acc> kernel,
+Stats merge_into_slot(const T* p, const T* base, int64_t n, ChunkFn<T, Acc> kernel,
                      ChunkFn<Acc, Acc> difference_kernel, const ChunkParams<Acc>& params,
                      std::vector<int64_t>& counts, const SlotPointers& slot) {
   const bool hist = params.bins != nullptr;
@@ -91,6 +91,7 @@ void merge_into_slot(const T* p, const T* base, int64_t n, ChunkFn<T, Acc> kerne
         counts);
   }
   store_slot<Full>(slot, merge<Full>(load_slot<Full>(slot), batch));
+  return batch;
 }
 
 // A bound on |first guess - exact position| in bins for a guess v * scale - lo * scale in Acc:
@@ -149,8 +150,9 @@ Destination destination(const Tensor& state, const Tensor& stats, const Tensor& 
   return {at, hist.numel() > 0 ? cell * hist.size(2) : 0};
 }
 
+// Returns the call's own statistics.
 template <typename T, typename Acc>
-void accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const (&kernels)[2],
+Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const (&kernels)[2],
                 ChunkFn<Acc, Acc> const (&difference_kernels)[2], bool full, const Destination& to,
                 double near_zero, const Tensor& hist, double hist_min, double hist_max) {
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
@@ -167,24 +169,23 @@ void accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const (
   const T* p = static_cast<const T*>(dense.const_data_ptr());
   const T* b = base != nullptr ? static_cast<const T*>(base->const_data_ptr()) : nullptr;
   const int f = full ? 1 : 0;
-  if (full) {
-    merge_into_slot<true>(p, b, dense.numel(), kernels[f], difference_kernels[f], params, counts,
-                          to.slot);
-  } else {
-    merge_into_slot<false>(p, b, dense.numel(), kernels[f], difference_kernels[f], params, counts,
-                           to.slot);
-  }
+  const Stats call = full ? merge_into_slot<true>(p, b, dense.numel(), kernels[f],
+                                                  difference_kernels[f], params, counts, to.slot)
+                          : merge_into_slot<false>(p, b, dense.numel(), kernels[f],
+                                                   difference_kernels[f], params, counts, to.slot);
   int64_t* row =
       bins > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) + to.hist_offset : nullptr;
   for (int64_t k = 0; k < bins; ++k) row[k] += counts[k];
+  return call;
 }
 
-// One tensor's statistics (of x, or of x - *base) into slot (slot, cursor).
-void accumulate_one(const Tensor& x, const Tensor* base, const Tensor& state, const Tensor& stats,
+// One tensor's statistics (of x, or of x - *base) into slot (slot, cursor); returns the call's own
+// (none for an empty x).
+Stats accumulate_one(const Tensor& x, const Tensor* base, const Tensor& state, const Tensor& stats,
                     const Tensor& extra, const Tensor& hist, const Tensor& cursor, int64_t slot,
                     bool full, double near_zero, double hist_min, double hist_max) {
   const Destination to = destination(state, stats, extra, hist, cursor, slot, full);
-  if (x.numel() == 0) return;
+  if (x.numel() == 0) return {};
   Tensor dense = dense_values(x);
   Tensor dense_base;
   if (base != nullptr) {
@@ -208,14 +209,33 @@ void accumulate_one(const Tensor& x, const Tensor* base, const Tensor& state, co
   }
 }
 
+// Takes the call clock's next position and notes the call at (slot, cursor) of the order buffer.
+void note_order(const Tensor& order, const Tensor& clock, const Tensor& cursor, int64_t slot,
+                bool full, const Stats& call) {
+  const int64_t column = *static_cast<const int64_t*>(cursor.const_data_ptr());
+  const int64_t batches = order.size(2);
+  int64_t* first = static_cast<int64_t*>(order.mutable_data_ptr()) + slot * batches + column;
+  // Atomic: hooks may run on several threads, and positions must stay distinct.
+  const int64_t position =
+      __atomic_fetch_add(static_cast<int64_t*>(clock.mutable_data_ptr()), 1, __ATOMIC_RELAXED);
+  const int64_t plane = order.size(1) * batches;
+  if (full) {
+    note_call_order<true>(first, plane, position, call);
+  } else {
+    note_call_order<false>(first, plane, position, call);
+  }
+}
+
 void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& stats,
                           const Tensor& extra, const Tensor& hist, const Tensor& workspace,
-                          const Tensor& cursor, int64_t slot, double near_zero, double hist_min,
-                          double hist_max) {
+                          const Tensor& order, const Tensor& clock, const Tensor& cursor,
+                          int64_t slot, double near_zero, double hist_min, double hist_max) {
   const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
                                           hist_min, hist_max);
-  accumulate_one(x, nullptr, state, stats, extra, hist, cursor, slot, full, near_zero, hist_min,
-                 hist_max);
+  const bool ordered = check_call_order(order, clock, state);
+  const Stats call = accumulate_one(x, nullptr, state, stats, extra, hist, cursor, slot, full,
+                                    near_zero, hist_min, hist_max);
+  if (ordered && call.count > 0) note_order(order, clock, cursor, slot, full, call);
 }
 
 void accumulate_stats_list_cpu(std::vector<Tensor> xs, std::vector<Tensor> bases,

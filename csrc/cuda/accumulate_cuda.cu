@@ -140,35 +140,32 @@ Call prepare(const Tensor& workspace, const Tensor& hist, int device) {
   return {stream, space, regions.region_of(space, origin_of(stream)), bins};
 }
 
-// x's statistics (minus base, when given) into slot (slot, cursor).
-void accumulate_one(const Tensor& x, const Tensor* base, const Tensor& state, const Tensor& stats,
-                    const Tensor& extra, const Tensor& hist, const Tensor& cursor, int64_t slot,
-                    bool full, const Call& call, double near_zero, double hist_min,
-                    double hist_max) {
+// x's statistics into slot (slot, cursor), noted in the call order when `order` is given.
+void accumulate_one(const Tensor& x, const Tensor& state, const Tensor& stats, const Tensor& extra,
+                    const Tensor& hist, const Tensor* order, const Tensor& clock,
+                    const Tensor& cursor, int64_t slot, bool full, const Call& call,
+                    double near_zero, double hist_min, double hist_max) {
   if (x.numel() == 0) return;
-  const Buffers buffers = buffers_for(
+  Buffers buffers = buffers_for(
       static_cast<double*>(state.mutable_data_ptr()), static_cast<float*>(stats.mutable_data_ptr()),
       full ? static_cast<float*>(extra.mutable_data_ptr()) : nullptr,
       call.bins > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) : nullptr,
       static_cast<const int64_t*>(cursor.const_data_ptr()), call.workspace, call.region, slot,
       state.size(1), state.size(2), call.bins, near_zero, hist_min, hist_max);
-  Tensor dense = dense_values(x);
-  Tensor dense_base;
-  if (base != nullptr) {
-    DensePair pair = dense_pair(x, *base, static_cast<size_t>(slot));
-    dense = pair.x;
-    dense_base = pair.base;
+  if (order != nullptr) {
+    buffers.order = static_cast<int64_t*>(order->mutable_data_ptr());
+    buffers.clock = static_cast<unsigned long long*>(clock.mutable_data_ptr());
   }
-  const Tensor* b = base != nullptr ? &dense_base : nullptr;
+  const Tensor dense = dense_values(x);
   switch (dtype_of(dense)) {
     case ScalarType::Float:
-      return launch<float>(dense, b, buffers, full, call.stream);
+      return launch<float>(dense, nullptr, buffers, full, call.stream);
     case ScalarType::Double:
-      return launch<double>(dense, b, buffers, full, call.stream);
+      return launch<double>(dense, nullptr, buffers, full, call.stream);
     case ScalarType::Half:
-      return launch<torch::headeronly::Half>(dense, b, buffers, full, call.stream);
+      return launch<torch::headeronly::Half>(dense, nullptr, buffers, full, call.stream);
     case ScalarType::BFloat16:
-      return launch<torch::headeronly::BFloat16>(dense, b, buffers, full, call.stream);
+      return launch<torch::headeronly::BFloat16>(dense, nullptr, buffers, full, call.stream);
     default:
       fail("accumulate_stats: unsupported dtype ", dense.scalar_type());
   }
@@ -176,15 +173,16 @@ void accumulate_one(const Tensor& x, const Tensor* base, const Tensor& state, co
 
 void accumulate_stats_cuda(const Tensor& x, const Tensor& state, const Tensor& stats,
                            const Tensor& extra, const Tensor& hist, const Tensor& workspace,
-                           const Tensor& cursor, int64_t slot, double near_zero, double hist_min,
-                           double hist_max) {
+                           const Tensor& order, const Tensor& clock, const Tensor& cursor,
+                           int64_t slot, double near_zero, double hist_min, double hist_max) {
   const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
                                           hist_min, hist_max);
+  const bool ordered = check_call_order(order, clock, state);
   const int device = x.get_device_index();
   const torch::stable::accelerator::DeviceGuard guard(device);
   const Call call = prepare(workspace, hist, device);
-  accumulate_one(x, nullptr, state, stats, extra, hist, cursor, slot, full, call, near_zero,
-                 hist_min, hist_max);
+  accumulate_one(x, state, stats, extra, hist, ordered ? &order : nullptr, clock, cursor, slot,
+                 full, call, near_zero, hist_min, hist_max);
 }
 
 int group_of(ScalarType dtype) {

@@ -84,6 +84,8 @@ struct Buffers {
   double* partials;        // the call's region
   unsigned int* finished;  // the region's kListTensors counters, each a double apart
   unsigned long long* dropped;
+  int64_t* order;  // the call order (stats.h, note_call_order); null when the run keeps none
+  unsigned long long* clock;
   int64_t slot;
   int64_t modules;
   int64_t capacity;
@@ -479,6 +481,10 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
     const SlotPointers slot{b.state + cell, plane, b.stats + cell, plane,
                             Full ? b.extra + cell : nullptr};
     store_slot<Full>(slot, merge<Full>(load_slot<Full>(slot), total));
+    if (b.order != nullptr) {
+      const auto position = static_cast<int64_t>(atomicAdd(b.clock, 1ull));
+      note_call_order<Full>(b.order + cell, plane, position, total);
+    }
     *finished = 0;  // ready for the next call: no memset needed
   }
 }

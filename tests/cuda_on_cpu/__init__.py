@@ -50,7 +50,7 @@ _SIGNATURES = {
         _INT,
     ),
     "harness_accumulate": (
-        [_INT, _P, _P, _I64, *[_P] * 6, *[_I64] * 5, _INT, _D, _D, _D, _I64],
+        [_INT, _P, _P, _I64, *[_P] * 8, *[_I64] * 5, _INT, _D, _D, _D, _I64],
         _INT,
     ),
 }
@@ -170,6 +170,8 @@ def accumulate(
     extra: torch.Tensor,
     hist: torch.Tensor,
     workspace: torch.Tensor,
+    order: torch.Tensor,
+    clock: torch.Tensor,
     cursor: torch.Tensor,
     slot: int,
     near_zero: float = 0.05,
@@ -207,6 +209,8 @@ def accumulate(
         stats.data_ptr(),
         extra.data_ptr() if full else None,
         hist.data_ptr() if bins else None,
+        order.data_ptr() if order.numel() else None,
+        clock.data_ptr() if order.numel() else None,
         cursor.data_ptr(),
         workspace.data_ptr(),
         region_of(workspace, stream),

@@ -116,15 +116,18 @@ int64_t harness_region_of(const void* workspace, unsigned long long stream, int 
 }
 
 // One call of the operator's CUDA path on CPU memory: x's statistics, or with a base (else null)
-// those of x - base. dtype: 0 float32, 1 float64, 2 float16, 3 bfloat16.
+// those of x - base, noted in the call order when `order` (and then `clock`) is given.
+// dtype: 0 float32, 1 float64, 2 float16, 3 bfloat16.
 int harness_accumulate(int dtype, const void* x, const void* base, int64_t n, double* state,
-                       float* stats, float* extra, int64_t* hist, const int64_t* cursor,
-                       double* workspace, int64_t region, int64_t slot, int64_t modules,
-                       int64_t capacity, int64_t bins, int full, double near_zero, double hist_min,
-                       double hist_max, int64_t resident) {
+                       float* stats, float* extra, int64_t* hist, int64_t* order, int64_t* clock,
+                       const int64_t* cursor, double* workspace, int64_t region, int64_t slot,
+                       int64_t modules, int64_t capacity, int64_t bins, int full,
+                       double near_zero, double hist_min, double hist_max, int64_t resident) {
   if (n == 0) return 0;
-  const Buffers b = buffers_for(state, stats, extra, hist, cursor, workspace, region, slot, modules,
-                                capacity, bins, near_zero, hist_min, hist_max);
+  Buffers b = buffers_for(state, stats, extra, hist, cursor, workspace, region, slot, modules,
+                          capacity, bins, near_zero, hist_min, hist_max);
+  b.order = order;
+  b.clock = reinterpret_cast<unsigned long long*>(clock);
   switch (dtype) {
     case 0:
       run<float>(x, base, n, b, full != 0, resident);
