@@ -194,7 +194,9 @@ def accumulate_stats_python(
         >>> b.stats[:, 0, 0].tolist()
         [2.0, 1.4142135381698608]
     """
-    call = _merge_into_slot(x, state, stats, extra, hist, cursor, slot, near_zero, hist_min, hist_max)
+    call = _merge_into_slot(
+        x, state, stats, extra, hist, cursor, slot, near_zero, hist_min, hist_max
+    )
     if call is not None and order.numel() > 0:
         note_call_order(order, clock, cursor, slot, call)
 

@@ -67,8 +67,8 @@ Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_
 // buffer that stays in cache, so each value is read once from memory), merged into the slot.
 template <bool Full, typename T, typename Acc>
 Stats merge_into_slot(const T* p, const T* base, int64_t n, ChunkFn<T, Acc> kernel,
-                     ChunkFn<Acc, Acc> difference_kernel, const ChunkParams<Acc>& params,
-                     std::vector<int64_t>& counts, const SlotPointers& slot) {
+                      ChunkFn<Acc, Acc> difference_kernel, const ChunkParams<Acc>& params,
+                      std::vector<int64_t>& counts, const SlotPointers& slot) {
   const bool hist = params.bins != nullptr;
   Stats batch;
   if (base == nullptr) {
@@ -153,8 +153,8 @@ Destination destination(const Tensor& state, const Tensor& stats, const Tensor& 
 // Returns the call's own statistics.
 template <typename T, typename Acc>
 Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const (&kernels)[2],
-                ChunkFn<Acc, Acc> const (&difference_kernels)[2], bool full, const Destination& to,
-                double near_zero, const Tensor& hist, double hist_min, double hist_max) {
+                 ChunkFn<Acc, Acc> const (&difference_kernels)[2], bool full, const Destination& to,
+                 double near_zero, const Tensor& hist, double hist_min, double hist_max) {
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
   std::vector<Acc> lower;  // empty, and no allocation, without a histogram
   for (int64_t k = 0; bins > 0 && k <= bins; ++k) {
@@ -182,8 +182,8 @@ Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const 
 // One tensor's statistics (of x, or of x - *base) into slot (slot, cursor); returns the call's own
 // (none for an empty x).
 Stats accumulate_one(const Tensor& x, const Tensor* base, const Tensor& state, const Tensor& stats,
-                    const Tensor& extra, const Tensor& hist, const Tensor& cursor, int64_t slot,
-                    bool full, double near_zero, double hist_min, double hist_max) {
+                     const Tensor& extra, const Tensor& hist, const Tensor& cursor, int64_t slot,
+                     bool full, double near_zero, double hist_min, double hist_max) {
   const Destination to = destination(state, stats, extra, hist, cursor, slot, full);
   if (x.numel() == 0) return {};
   Tensor dense = dense_values(x);

@@ -121,8 +121,8 @@ int64_t harness_region_of(const void* workspace, unsigned long long stream, int 
 int harness_accumulate(int dtype, const void* x, const void* base, int64_t n, double* state,
                        float* stats, float* extra, int64_t* hist, int64_t* order, int64_t* clock,
                        const int64_t* cursor, double* workspace, int64_t region, int64_t slot,
-                       int64_t modules, int64_t capacity, int64_t bins, int full,
-                       double near_zero, double hist_min, double hist_max, int64_t resident) {
+                       int64_t modules, int64_t capacity, int64_t bins, int full, double near_zero,
+                       double hist_min, double hist_max, int64_t resident) {
   if (n == 0) return 0;
   Buffers b = buffers_for(state, stats, extra, hist, cursor, workspace, region, slot, modules,
                           capacity, bins, near_zero, hist_min, hist_max);
