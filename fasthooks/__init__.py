@@ -10,6 +10,13 @@ from .hook import (
     modules_with_own_params,
     unwrap_compiled,
 )
+from .nonfinite import (
+    NonFinite,
+    NonFiniteError,
+    NonFiniteReport,
+    NonFiniteWarning,
+    first_nonfinite,
+)
 from .ops import extension_available, extension_error
 from .parameters import ParameterStats
 from .plot import plot_stats
@@ -32,6 +39,10 @@ __all__ = [
     "HookCallback",
     "Hooks",
     "LayerInfo",
+    "NonFinite",
+    "NonFiniteError",
+    "NonFiniteReport",
+    "NonFiniteWarning",
     "ParameterStats",
     "StatisticsError",
     "__version__",
@@ -39,6 +50,7 @@ __all__ = [
     "dummy_eval",
     "extension_available",
     "extension_error",
+    "first_nonfinite",
     "hook_output",
     "hook_outputs",
     "in_channels",

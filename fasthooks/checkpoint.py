@@ -12,7 +12,9 @@ from .moments import finalise
 if TYPE_CHECKING:
     from .stats import ActivationStats
 
-VERSION = 1
+VERSION = 2
+# Version 1 had no call order: its batches resume with none noted.
+READABLE_VERSIONS = (1, 2)
 
 
 def settings(act: ActivationStats) -> dict[str, Any]:
@@ -39,13 +41,16 @@ def state_dict(act: ActivationStats, buffers: StatBuffers | None) -> dict[str, A
         "batches": act.batches,
         "state": torch.empty(0) if empty else buffers.state[:, :, :n].cpu(),
         "hist": torch.empty(0) if empty or not act.hist_bins else buffers.hist[:, :n].cpu(),
+        "order": torch.empty(0, dtype=torch.int64) if empty else buffers.order[:, :, :n].cpu(),
     }
 
 
 def check(act: ActivationStats, saved: dict[str, Any]) -> None:
     """Refuses a state saved from another model or with other statistics, saying what differs."""
-    if saved.get("version") != VERSION:
-        raise ValueError(f"state_dict: version {saved.get('version')!r}, wanted {VERSION}")
+    if saved.get("version") not in READABLE_VERSIONS:
+        raise ValueError(
+            f"state_dict: version {saved.get('version')!r}, wanted one of {READABLE_VERSIONS}"
+        )
     for key, want in settings(act).items():
         got = saved.get(key)
         if got != want:
@@ -67,4 +72,6 @@ def restore(saved: dict[str, Any], buffers: StatBuffers) -> None:
         buffers.extra[:, :, :n].copy_(extra)
     if buffers.hist_bins:
         buffers.hist[:, :n].copy_(saved["hist"])
+    if "order" in saved:
+        buffers.order[:, :, :n].copy_(saved["order"])
     buffers.cursor.fill_(n)

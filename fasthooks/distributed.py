@@ -13,13 +13,17 @@ if TYPE_CHECKING:
     from .stats import ActivationStats
 
 
-def all_reduce(act: ActivationStats, buffers: StatBuffers, group: Any = None) -> None:
-    """Replace every recorded column by the merge of all ranks' columns, on every rank.
+def all_reduce(
+    act: ActivationStats, buffers: StatBuffers, group: Any = None
+) -> tuple[torch.Tensor, int]:
+    """Replace every recorded column by the merge of all ranks' columns, on every rank; returns
+    every rank's call order `(ranks, 2, modules, batches)` on the CPU, and this rank.
 
-    Three collectives: a small shape check (so that ranks that recorded different columns fail
+    Four collectives: a small shape check (so that ranks that recorded different columns fail
     with a clear error instead of hanging), one all-gather of the float64 merge state (merged in
     rank order with the operator's pairwise rule: exact counts, means and central moments for
-    shards of any size) and one sum of the histogram counts when a histogram is recorded.
+    shards of any size), one of the call order, and one sum of the histogram counts when a
+    histogram is recorded.
     """
     import torch.distributed as dist
 
@@ -39,8 +43,13 @@ def all_reduce(act: ActivationStats, buffers: StatBuffers, group: Any = None) ->
             f"histogram bins) by rank: {shapes}; every rank must hook the same modules with "
             "the same options and close the same number of batches"
         )
+    rank = dist.get_rank(group)
     if n == 0:
-        return
+        return torch.zeros((world, *buffers.order.shape[:2], 0), dtype=torch.int64), rank
+    order = buffers.order[:, :, :n].contiguous()
+    orders = [torch.empty_like(order) for _ in range(world)]
+    dist.all_gather(orders, order, group=group)
+    rank_orders = torch.stack(orders).cpu()
     recorded = state[:, :, :n].contiguous()
     gathered = [torch.empty_like(recorded) for _ in range(world)]
     dist.all_gather(gathered, recorded, group=group)
@@ -56,3 +65,4 @@ def all_reduce(act: ActivationStats, buffers: StatBuffers, group: Any = None) ->
         counts = buffers.hist[:, :n].contiguous()
         dist.all_reduce(counts, group=group)
         buffers.hist[:, :n] = counts
+    return rank_orders, rank

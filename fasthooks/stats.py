@@ -20,6 +20,7 @@ from .distributed import all_reduce
 from .hook import HookCallback
 from .layout import COUNT, DERIVED_EXTRAS, EXTRA_PLANES, EXTRAS, MAX_HIST_BINS
 from .moments import derived_extra
+from .nonfinite import NonFinite, NonFiniteWatch, first_nonfinite
 from .ops import resolve_backend
 from .outputs import measured_tensor
 
@@ -136,6 +137,7 @@ def _host_copies() -> dict[str, HostCopy]:
         "nonfinite": HostCopy(1, torch.int64),
         "state": HostCopy(2, torch.float64),
         "hist": HostCopy(1, torch.int64),
+        "order": HostCopy(2, torch.int64),
     }
 
 
@@ -196,6 +198,11 @@ class ActivationStats(HookCallback):
         is_forward: False records the statistics of each module's output gradient.
         skip_frozen: True leaves out modules in eval mode inside a training model (frozen
             layers), which are recorded by default.
+        on_nonfinite: what to do when a recorded call held a NaN or an infinity: None (default:
+            nothing; `first_nonfinite()` still tells), "warn" (once), "raise"
+            (`NonFiniteError` from `on_batch_end`) or a callable, called once with the
+            `NonFiniteReport`. Checked without waiting for the device: on CUDA it comes at the
+            `on_batch_end` after the batch's, or at `on_train_end`.
     The recorded std is unbiased, as `torch.std`. What is recorded follows the model's training
     mode, not each module's.
 
@@ -224,6 +231,7 @@ class ActivationStats(HookCallback):
         every: int = 1,
         is_forward: bool = True,
         skip_frozen: bool = False,
+        on_nonfinite: Any = None,
     ) -> None:
         super().__init__(model, modules, do_remove, is_forward)
         expected_batches = count_argument(expected_batches, "expected_batches", 1)
@@ -235,6 +243,7 @@ class ActivationStats(HookCallback):
             raise TypeError(f"near_zero must be a number, got {type(near_zero).__name__}")
         if math.isnan(near_zero):
             raise ValueError("near_zero must not be NaN")
+        self._watch = NonFiniteWatch(on_nonfinite)
         self.backend, self._accumulate = resolve_backend(backend)
         self.expected_batches = expected_batches
         self.extra_names = _check_extra(extra)
@@ -253,6 +262,8 @@ class ActivationStats(HookCallback):
         self._dropped_reported = 0
         self._resume: dict[str, Any] | None = None
         self._leaving_on_error = False
+        self._rank_orders: torch.Tensor | None = None  # every rank's call order, by all_reduce
+        self._rank: int | None = None
         self._start_sampling()
 
     def _start_sampling(self) -> None:
@@ -299,6 +310,8 @@ class ActivationStats(HookCallback):
         self._host = _host_copies()
         self._num_batches = 0
         self._dropped_reported = 0
+        self._rank_orders, self._rank = None, None
+        self._watch.reset()
         self._start_sampling()
         if resume is not None:
             self._num_batches, self._seen = resume["num_batches"], resume["seen"]
@@ -421,8 +434,11 @@ class ActivationStats(HookCallback):
         return f"{self.module_names[self._slots[m]]} ({type(m).__name__})"
 
     def on_train_end(self, **kwargs: Any) -> None:
-        """Remove the hooks when `do_remove`; warn when statistics were never closed in a batch."""
+        """Remove the hooks when `do_remove`; warn when statistics were never closed in a batch;
+        report a non-finite batch not yet reported (`on_nonfinite`)."""
         super().on_train_end(**kwargs)
+        if self._buffers is not None and not self._leaving_on_error:
+            self._watch.poll(self, wait=True)
         if self._buffers is not None and self._num_batches == 0 and not self._leaving_on_error:
             column = self._buffers.state[COUNT].index_select(1, self._buffers.cursor.reshape(1))
             if bool(column.any()):
@@ -459,7 +475,9 @@ class ActivationStats(HookCallback):
                 self._args = self._buffers.op_args()
             self._buffers.cursor.add_(1)
         self._seen += 1
-        self._sampled = self._seen % self.every == 0
+        closed, self._sampled = self._sampled, self._seen % self.every == 0
+        if closed:
+            self._watch.batch_closed(self, self._buffers.order, self._num_batches - 1)
 
     def all_reduce(self, group: Any = None) -> None:
         """Merge every rank's recorded columns into statistics of the whole batch, on every rank.
@@ -476,7 +494,7 @@ class ActivationStats(HookCallback):
                 "all_reduce() called before any statistics were recorded: call it after the "
                 "training loop (or inside `with act:`)"
             )
-        all_reduce(self, self._buffers, group)
+        self._rank_orders, self._rank = all_reduce(self, self._buffers, group)
         self._host = _host_copies()  # columns already copied to the host have changed
 
     @property
@@ -592,6 +610,42 @@ class ActivationStats(HookCallback):
                 RuntimeWarning,
                 stacklevel=4,
             )
+
+    @property
+    def call_order(self) -> torch.Tensor:
+        """int64 `(2, modules, batches)` CPU: for each module and recorded batch, 1 + the call
+        clock of the module's first call in it whose values held a NaN or an infinity (0: none),
+        and how many they were (-1 with mean and std only). `layout.py` describes the clock."""
+        if self._buffers is None:
+            return torch.zeros(2, len(self.modules or ()), 0, dtype=torch.int64)
+        return self._read("order", self._buffers.order)
+
+    def first_nonfinite(self) -> NonFinite | None:
+        """The first recorded call whose values held a NaN or an infinity, or None: a
+        `NonFinite(batch, module, direction, count, rank)`, the earliest batch and in it the
+        module called first. After `all_reduce`, the earliest over every rank, naming the rank.
+        `fasthooks.first_nonfinite(forward, backward)` compares several runs.
+
+        Example:
+            >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+            >>> with ActivationStats(model, backend="python", extra=["nonfinite"]) as act:
+            ...     for x in (1.0, float("nan")):
+            ...         _ = model(torch.full((3, 2), x))
+            ...         act.on_batch_end()
+            >>> act.first_nonfinite()
+            NonFinite(batch=1, module='0', direction='forward', count=6, rank=None)
+        """
+        return first_nonfinite(self)
+
+    def summary(self, top: int = 10, window: int = 10) -> Any:
+        """The `top` modules that look worst, most severe first, each with what was found and the
+        batch where it began: non-finite values; dead units (near-zero fraction at least 0.99,
+        or no spread, over the last `window` batches); std exploding or collapsing (10x against
+        the module's own first batches); kurtosis spikes. A `Summary`: printable as a table,
+        `.to_dataframe()` for pandas, iterable over its `Finding`s."""
+        from .summary import summarize
+
+        return summarize(self, top, window)
 
     @property
     def stats(self) -> torch.Tensor:

@@ -1,0 +1,167 @@
+"""`ActivationStats.summary()`: the modules that look worst, from the statistics recorded."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from .stats import ActivationStats
+
+# What makes a module look bad, most severe first.
+KINDS = ("non-finite", "dead", "std exploding", "std collapsing", "kurtosis spike")
+DEAD_FRACTION = 0.99
+# A std this many times above (or below) the module's own first batches.
+STD_FACTOR = 10.0
+# A kurtosis this many times its module's median, and at least SPIKE_FLOOR (3 is normal).
+SPIKE_FACTOR = 10.0
+SPIKE_FLOOR = 30.0
+
+
+class Finding(NamedTuple):
+    """One module's worst finding: `kind` (one of KINDS), the training batch where it began,
+    what was seen, and the other kinds found in the same module."""
+
+    module: str
+    kind: str
+    batch: int
+    detail: str
+    also: str
+
+
+class Summary:
+    """The findings of `ActivationStats.summary`, most severe first: a table when printed."""
+
+    COLUMNS = ("module", "kind", "batch", "detail", "also")
+
+    def __init__(self, findings: list[Finding], batches: int) -> None:
+        self.findings = findings
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[Finding]:
+        return iter(self.findings)
+
+    def __len__(self) -> int:
+        return len(self.findings)
+
+    def __getitem__(self, index: int) -> Finding:
+        return self.findings[index]
+
+    def to_dataframe(self) -> Any:
+        """The findings as a pandas DataFrame, one row each (needs pandas)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.findings, columns=list(self.COLUMNS))
+
+    def __str__(self) -> str:
+        if not self.findings:
+            return f"nothing found over {self.batches} recorded batches"
+        rows = [("module", "found", "since batch", "detail", "also")]
+        rows += [(f.module, f.kind, str(f.batch), f.detail, f.also) for f in self.findings]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = [
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
+        ]
+        return "\n".join(line.rstrip() for line in lines)
+
+    __repr__ = __str__
+
+
+def _first(mask: torch.Tensor) -> int | None:
+    hits = mask.nonzero()
+    return int(hits[0]) if len(hits) else None
+
+
+def _trailing_start(mask: torch.Tensor) -> int:
+    """Where the run of True that ends `mask` begins (len(mask) when it ends with False)."""
+    false = (~mask).nonzero()
+    return int(false[-1]) + 1 if len(false) else 0
+
+
+Found = tuple[tuple[float, ...], str, int, str]
+
+
+def _nonfinite(order: torch.Tensor, mean: torch.Tensor) -> list[Found]:
+    marked = (order[0] > 0) | mean.isinf()
+    began = _first(marked)
+    if began is None:
+        return []
+    detail = f"NaN or infinite values in {int(marked.sum())} of {len(mean)} batches"
+    return [((0, began, float(order[0, began])), "non-finite", began, detail)]
+
+
+def _dead(stats: dict[str, torch.Tensor], ran: torch.Tensor, window: int) -> list[Found]:
+    recent = ran.nonzero().flatten()[-window:]
+    dead, what = stats["std"] == 0, "no spread (std 0)"
+    if "near_zero" in stats:
+        dead = dead | (stats["near_zero"] >= DEAD_FRACTION)
+        what = f"near-zero fraction >= {DEAD_FRACTION} or no spread"
+    if len(recent) == 0 or not bool(dead[recent].all()):
+        return []
+    began = _trailing_start(dead | ~ran)
+    return [((1, began), "dead", began, f"{what} over the last {len(recent)} batches")]
+
+
+def _std_drift(std: torch.Tensor, window: int) -> list[Found]:
+    columns = (std.isfinite() & (std > 0)).nonzero().flatten()
+    if len(columns) < 4:
+        return []
+    baseline = float(std[columns[: len(columns) // 4]].median())
+    ratio = float(std[columns[-window:]].median()) / baseline
+    if STD_FACTOR > ratio > 1 / STD_FACTOR:
+        return []
+    exploding = ratio >= STD_FACTOR
+    crossed = std >= STD_FACTOR * baseline if exploding else std <= baseline / STD_FACTOR
+    began = _first(crossed & std.isfinite())
+    kind = "std exploding" if exploding else "std collapsing"
+    detail = f"std {ratio:.3g}x that of its first batches ({baseline:.3g})"
+    return [((2, -abs(math.log(ratio))), kind, began, detail)]
+
+
+def _kurtosis_spikes(kurtosis: torch.Tensor) -> list[Found]:
+    finite = kurtosis[kurtosis.isfinite()]
+    if len(finite) == 0:
+        return []
+    median = float(finite.median())
+    spikes = kurtosis > max(SPIKE_FACTOR * median, SPIKE_FLOOR)
+    began = _first(spikes)
+    if began is None:
+        return []
+    peak = float(kurtosis[spikes].max())
+    detail = f"kurtosis up to {peak:.3g} (median {median:.3g}) in {int(spikes.sum())} batches"
+    return [((3, -peak / median), "kurtosis spike", began, detail)]
+
+
+def module_findings(
+    stats: dict[str, torch.Tensor], order: torch.Tensor, window: int
+) -> list[Found]:
+    """(sort key, kind, column where it began, detail) of everything found in one module's
+    `(batches,)` statistics and its `(2, batches)` call order, most severe first."""
+    ran = ~stats["mean"].isnan() | (order[0] > 0)
+    found = _nonfinite(order, stats["mean"]) + _dead(stats, ran, window)
+    found += _std_drift(stats["std"], window)
+    if "kurtosis" in stats:
+        found += _kurtosis_spikes(stats["kurtosis"])
+    return sorted(found)
+
+
+def summarize(act: ActivationStats, top: int, window: int) -> Summary:
+    """The `top` worst modules of a run, each by its most severe finding."""
+    from .stats import count_argument
+
+    top = count_argument(top, "top", 1)
+    window = count_argument(window, "window", 1)
+    names, order, batch_ids = act.module_names, act.call_order, act._batch_ids
+    ranked = []
+    for index, name in enumerate(names):
+        found = module_findings(act.layer_stats(index), order[:, index], window)
+        if not found:
+            continue
+        key, kind, column, detail = found[0]
+        also = ", ".join(dict.fromkeys(k for _, k, _, _ in found[1:] if k != kind))
+        ranked.append((key, Finding(name, kind, batch_ids[column], detail, also)))
+    ranked.sort(key=lambda item: item[0])
+    return Summary([finding for _, finding in ranked[:top]], act.num_batches)
