@@ -187,9 +187,10 @@ class NonFiniteWatch:
             self._look(act, positions)
             return
         self.poll(act)
-        host = self._free.pop() if self._free else torch.empty_like(positions, device="cpu")
-        if not host.is_pinned():
-            host = host.pin_memory()
+        if self._free:
+            host = self._free.pop()
+        else:
+            host = torch.empty(positions.shape, dtype=positions.dtype, pin_memory=True)
         host.copy_(positions, non_blocking=True)
         event = torch.cuda.Event()
         event.record()

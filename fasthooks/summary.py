@@ -131,7 +131,7 @@ def _kurtosis_spikes(kurtosis: torch.Tensor) -> list[Found]:
     if began is None:
         return []
     peak = float(kurtosis[spikes].max())
-    detail = f"kurtosis up to {peak:.3g} (median {median:.3g}) in {int(spikes.sum())} batches"
+    detail = f"kurtosis up to {peak:.3g} (median {median:.3g}) in {int(spikes.sum())} of {len(kurtosis)} batches"
     return [((3, -peak / median), "kurtosis spike", began, detail)]
 
 
