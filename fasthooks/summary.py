@@ -131,7 +131,8 @@ def _kurtosis_spikes(kurtosis: torch.Tensor) -> list[Found]:
     if began is None:
         return []
     peak = float(kurtosis[spikes].max())
-    detail = f"kurtosis up to {peak:.3g} (median {median:.3g}) in {int(spikes.sum())} of {len(kurtosis)} batches"
+    spiked = f"{int(spikes.sum())} of {len(kurtosis)} batches"
+    detail = f"kurtosis up to {peak:.3g} (median {median:.3g}) in {spiked}"
     return [((3, -peak / median), "kurtosis spike", began, detail)]
 
 
