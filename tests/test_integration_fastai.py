@@ -14,6 +14,7 @@ from fastai.callback.training import GradientAccumulation  # noqa: E402
 from fastai.data.core import DataLoaders  # noqa: E402
 from fastai.learner import Learner  # noqa: E402
 
+from fasthooks import NonFinite, NonFiniteError  # noqa: E402
 from fasthooks.integrations.fastai import ActivationStatsCallback  # noqa: E402
 
 ROWS, BATCH = 64, 8  # 8 batches an epoch
@@ -98,6 +99,24 @@ def test_with_block_removes_the_hooks_when_training_raises():
         _fit(_learner(), cbs=[callback, Fail()])
     act = callback.activation_stats
     assert act.num_batches == 3  # train_iter counts batches already ended
+    assert all(hook.removed for hook in act.hooks)
+
+
+class Poison(Callback):
+    def before_batch(self):
+        if self.training and self.train_iter == 3:
+            with torch.no_grad():
+                self.learn.model[2].weight.fill_(float("nan"))
+
+
+def test_raise_on_nonfinite_stops_the_fit_cleanly():
+    callback = ActivationStatsCallback(on_nonfinite="raise")
+    learn = _learner(lr=0.1)
+    with pytest.raises(NonFiniteError) as caught:
+        _fit(learn, cbs=[callback, Poison()])
+    assert caught.value.report.where == NonFinite(3, "2", "forward", None)
+    act = callback.activation_stats
+    assert act.num_batches == 4 and learn.train_iter == 3  # cancelled in batch 3
     assert all(hook.removed for hook in act.hooks)
 
 

@@ -11,7 +11,7 @@ from conftest import assert_same_recording, framework, record_steps
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fasthooks import ActivationStats
+from fasthooks import ActivationStats, NonFinite, NonFiniteError
 
 pl = framework("lightning.pytorch")
 from fasthooks.integrations.lightning import ActivationStatsCallback  # noqa: E402
@@ -105,6 +105,22 @@ def test_an_exception_removes_the_hooks_and_keeps_the_statistics():
     assert act.num_batches == 5
     assert all(hook.removed for hook in act.hooks)
     assert act.stats[:, :, :5].isfinite().all()
+
+
+class Diverging(Tiny):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x * (float("inf") if batch_idx >= 4 else 1.0)), y)
+
+
+def test_raise_on_nonfinite_stops_the_fit_cleanly():
+    callback = ActivationStatsCallback(on_nonfinite="raise")
+    with pytest.raises(NonFiniteError) as caught:
+        _fit(callback, Diverging(lr=0.1))
+    assert caught.value.report.where == NonFinite(4, "net.0", "forward", None)
+    act = callback.activation_stats
+    assert act.num_batches == 5  # stopped after the step it was found in (at once on the CPU)
+    assert all(hook.removed for hook in act.hooks)
 
 
 def test_fit_end_merges_ranks_when_a_process_group_is_initialised(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import framework
 
-from fasthooks import ActivationStats
+from fasthooks import ActivationStats, NonFinite, NonFiniteError
 
 transformers = framework("transformers")
 from fasthooks.integrations.transformers import ActivationStatsCallback  # noqa: E402
@@ -120,6 +120,24 @@ def test_with_block_removes_the_hooks_when_training_raises(tmp_path):
         trainer.train()
     act = callback.activation_stats
     assert act.num_batches == 3
+    assert all(hook.removed for hook in act.hooks)
+
+
+def test_raise_on_nonfinite_stops_training_cleanly(tmp_path):
+    class Poison(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 3:
+                with torch.no_grad():
+                    model.classifier.weight.fill_(float("nan"))
+
+    callback = ActivationStatsCallback(on_nonfinite="raise")
+    trainer = _trainer(callback, tmp_path)
+    trainer.add_callback(Poison())
+    with pytest.raises(NonFiniteError) as caught:
+        trainer.train()
+    assert caught.value.report.where == NonFinite(3, "classifier", "forward", None)
+    act = callback.activation_stats
+    assert act.num_batches == 4 and trainer.state.global_step == 4
     assert all(hook.removed for hook in act.hooks)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastai.callback.core import Callback
+from fastai.callback.core import Callback, CancelFitException
 
 from .recorder import FitRecorder, RecordingCallback
 
@@ -28,8 +28,9 @@ class ActivationStatsCallback(RecordingCallback, Callback):
     fastai TensorBoard callback of the learner. At the end of the fit, hooks are removed and,
     when a process group is initialised, every rank's statistics merged (`all_reduce`). fastai
     tells callbacks nothing of other exceptions: run `learn.fit` inside `with callback:` to
-    remove the hooks then too. On the learner it is `learn.fasthooks`; the live object is
-    `.activation_stats`.
+    remove the hooks then too. With `on_nonfinite="raise"` the fit is cancelled after the step
+    where it was found and `learn.fit` raises `NonFiniteError`. On the learner it is
+    `learn.fasthooks`; the live object is `.activation_stats`.
     """
 
     def __init__(self, log_every_n_steps: int = DEFAULT_LOG_EVERY_N_STEPS, **kwargs: Any) -> None:
@@ -53,7 +54,10 @@ class ActivationStatsCallback(RecordingCallback, Callback):
         if self._step_cancelled:  # fastai calls after_step even when the step was cancelled
             self._step_cancelled = False
             return
-        if not self._recorder.step(DEFAULT_LOG_EVERY_N_STEPS):
+        logged = self._recorder.step(DEFAULT_LOG_EVERY_N_STEPS)
+        if self._recorder.stopped_by is not None:
+            raise CancelFitException  # NonFiniteError, raised from after_fit
+        if not logged:
             return
         for callback in self.learn.cbs:
             writer = getattr(callback, "writer", None)

@@ -25,7 +25,8 @@ class ActivationStatsCallback(RecordingCallback, pl.Callback):
     trainer's own) the newest column goes to every logger of the trainer, tagged
     `activations/<module>/<stat>`; 0 logs nothing. At fit end, hooks are removed and, when a
     process group is initialised, every rank's statistics are merged (`all_reduce`); on an
-    exception, hooks are removed and the statistics so far kept. The statistics are saved in
+    exception, hooks are removed and the statistics so far kept. With `on_nonfinite="raise"`
+    the fit stops after the step where it was found and `trainer.fit` raises `NonFiniteError`. The statistics are saved in
     the trainer's checkpoints, and a fit resumed from one (`ckpt_path=`) continues their columns.
     The live object is `.activation_stats`.
     """
@@ -51,6 +52,8 @@ class ActivationStatsCallback(RecordingCallback, pl.Callback):
             return  # a micro-batch: its statistics merge into the step's column
         self._last_step = trainer.global_step
         metrics = self._recorder.step(trainer.log_every_n_steps)
+        if self._recorder.stopped_by is not None:
+            trainer.should_stop = True  # NonFiniteError, raised from on_fit_end
         if metrics:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)

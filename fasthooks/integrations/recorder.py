@@ -1,6 +1,6 @@
 """What every framework callback does, framework aside: one `ActivationStats` per fit, hooked at
-its start, one column per optimizer step, the newest column as metrics every few steps, and
-hooks removed at its end or on an error."""
+its start, one column per optimizer step, the newest column as metrics every few steps, hooks
+removed at its end or on an error, and a fit stopped cleanly by `on_nonfinite="raise"`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from ..export import newest_metrics
+from ..nonfinite import NonFiniteError
 from ..stats import ActivationStats, count_argument
 
 
@@ -28,6 +29,9 @@ class FitRecorder:
         )
         self.activation_stats: ActivationStats | None = None
         self.resume: dict[str, Any] | None = None  # a saved state to continue at the next fit
+        # The NonFiniteError of `on_nonfinite="raise"`: the framework is asked to stop, and the
+        # error is raised at the end of the fit, once the hooks are removed.
+        self.stopped_by: NonFiniteError | None = None
         self._steps = 0
 
     def begin(self, model: nn.Module, estimated_steps: float | None) -> None:
@@ -43,13 +47,18 @@ class FitRecorder:
             self.resume = None
         self.activation_stats.on_train_begin()
         self._steps = 0
+        self.stopped_by = None
 
     def step(self, default_log_every: int) -> dict[str, float]:
         """Close the column of an optimizer step; its metrics when they are due, else {}."""
         act = self.activation_stats
-        if act is None:
+        if act is None or self.stopped_by is not None:
             return {}
-        act.on_batch_end(train=True)
+        try:
+            act.on_batch_end(train=True)
+        except NonFiniteError as error:
+            self.stopped_by = error
+            return {}
         self._steps += 1
         every = self.log_every_n_steps
         every = default_log_every if every is None else every
@@ -58,7 +67,8 @@ class FitRecorder:
         return newest_metrics(act)
 
     def end(self) -> None:
-        """At the end of a fit: merge every rank's statistics when distributed, remove hooks."""
+        """At the end of a fit: merge every rank's statistics when distributed, remove hooks;
+        then raise the NonFiniteError that stopped it, if one did."""
         import torch.distributed as dist
 
         act = self.activation_stats
@@ -67,6 +77,9 @@ class FitRecorder:
         if dist.is_available() and dist.is_initialized():
             act.all_reduce()
         act.on_train_end()
+        error, self.stopped_by = self.stopped_by, None
+        if error is not None:
+            raise error
 
     def abort(self) -> None:
         """After an error: remove the hooks, keep the statistics recorded so far."""

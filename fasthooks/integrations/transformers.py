@@ -70,8 +70,9 @@ class ActivationStatsCallback(RecordingCallback, TrainerCallback):
     nothing of an exception: run `trainer.train()` inside `with callback:` to remove the hooks
     then too. The console line the Trainer prints leaves the statistics out and says how many
     were logged. Each checkpoint folder gets the statistics so far (`STATE_FILE`), and training
-    resumed from a checkpoint in `output_dir` continues their columns. The live object is
-    `.activation_stats`.
+    resumed from a checkpoint in `output_dir` continues their columns. With
+    `on_nonfinite="raise"` training stops after the step where it was found and
+    `trainer.train()` raises `NonFiniteError`. The live object is `.activation_stats`.
     """
 
     def __init__(self, log_every_n_steps: int | None = None, **kwargs: Any) -> None:
@@ -109,6 +110,8 @@ class ActivationStatsCallback(RecordingCallback, TrainerCallback):
     ) -> None:
         logging_steps = state.logging_steps if args.logging_strategy == "steps" else 0
         metrics = self._recorder.step(int(logging_steps))
+        if self._recorder.stopped_by is not None:
+            control.should_training_stop = True  # NonFiniteError, raised from on_train_end
         if metrics:
             self._pending = (state.global_step, metrics)
             control.should_log = True  # the Trainer logs this step, and on_log adds the metrics
