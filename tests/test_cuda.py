@@ -5,7 +5,14 @@ import torch
 from conftest import BACKENDS, CUDA, reference_stats
 from torch import nn
 
-from fasthooks import ActivationStats, ParameterStats, hook_outputs
+from fasthooks import (
+    ActivationStats,
+    NonFinite,
+    NonFiniteError,
+    NonFiniteWarning,
+    ParameterStats,
+    hook_outputs,
+)
 
 pytestmark = [pytest.mark.cuda, CUDA]
 EVERY_STAT = {"extra": ("min", "max", "near_zero", "nonfinite", "kurtosis"), "hist_bins": 40}
@@ -31,7 +38,9 @@ def test_training_step_never_synchronises(backend, dtype, options):
     model = _net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(32, 3, 32, 32, device="cuda")
-    act = ActivationStats(model, backend=backend, expected_batches=4, **OPTIONS[options])
+    act = ActivationStats(
+        model, backend=backend, expected_batches=4, on_nonfinite="raise", **OPTIONS[options]
+    )
     act.on_train_begin()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -86,6 +95,56 @@ def test_cuda_graph_replays_fill_successive_columns(backend):
             assert act.extra["min"][m, b].item() == o.amin().item()
             assert act.extra["nonfinite"][m, b].item() == 0
             assert act.hist[m, b].sum().item() == int(((o >= 0) & (o <= 10)).sum())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nonfinite_is_raised_at_most_one_batch_late(backend):
+    model = _net()
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    act = ActivationStats(model, backend=backend, on_nonfinite="raise")
+    raised_at = None
+    with act:
+        for step in range(6):
+            if step == 2:
+                with torch.no_grad():
+                    model[3].weight.fill_(float("nan"))
+            model(x).sum().backward()
+            try:
+                act.on_batch_end()
+            except NonFiniteError as error:
+                raised_at, report = step, error.report
+                break
+    assert raised_at in (2, 3)
+    assert report.where == NonFinite(2, "3", "forward", None)
+    assert report.frames["batch"].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_graph_replays_locate_the_first_nonfinite_batch(backend):
+    model = _net()
+    static_x = torch.randn(16, 3, 32, 32, device="cuda")
+    act = ActivationStats(
+        model, backend=backend, expected_batches=8, extra=["nonfinite"], on_nonfinite="warn"
+    )
+    act.on_train_begin()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model(static_x).sum().backward()
+            act.on_batch_end(train=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model(static_x).sum().backward()
+    act.on_batch_end(train=False)
+    with pytest.warns(NonFiniteWarning, match="training batch 3: first in module '0'"):
+        for i in range(6):
+            static_x.copy_(torch.randn_like(static_x) * (float("nan") if i >= 3 else 1.0))
+            graph.replay()
+            act.on_batch_end(train=True)
+        act.on_train_end()
+    assert act.first_nonfinite() == NonFinite(3, "0", "forward", 16 * 16 * 32 * 32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

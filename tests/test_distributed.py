@@ -58,6 +58,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         before = act.stats.clone()  # read before merging: the host copy must not go stale
         act.all_reduce()
         results[backend] = {"before": before, **_recorded(act)}
+    results["nonfinite"] = _locate_nonfinite(rank)
     results["fsdp"] = _record_fully_sharded(rank)
     results["fsdp1"] = _record_flat_parameters(rank)
     act = ActivationStats(model, backend="python")
@@ -71,6 +72,23 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         results["mismatch"] = str(error)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _locate_nonfinite(rank: int) -> tuple[Any, Any]:
+    """Rank 1's shard goes non-finite in batch 1, rank 0's in batch 2: the first non-finite
+    call on this rank before all_reduce, and over both ranks after it."""
+    model = _model()
+    act = ActivationStats(model, extra=["nonfinite"])
+    with act:
+        for batch in range(3):
+            x = torch.randn(4, 6)
+            if batch == 2 - rank:
+                x[0, 0] = float("nan")
+            model(x)
+            act.on_batch_end()
+    before = act.first_nonfinite()
+    act.all_reduce()
+    return tuple(before), tuple(act.first_nonfinite())
 
 
 def _record_fully_sharded(rank: int) -> dict[str, torch.Tensor]:
@@ -135,6 +153,14 @@ def test_merged_shards_equal_one_process_seeing_every_batch(ranks, backend):
         _assert_same(merged, expected)
     for name in expected:
         assert torch.equal(ranks[0][backend][name], ranks[1][backend][name]), name
+
+
+def test_the_first_nonfinite_call_is_the_earliest_over_ranks_naming_the_rank(ranks):
+    # Rank r's row 0 turns the whole output of the first layer NaN: 4 rows x 32 features.
+    assert ranks[0]["nonfinite"][0] == (2, "0", "forward", 32, None)
+    assert ranks[1]["nonfinite"][0] == (1, "0", "forward", 32, None)
+    for rank in ranks:
+        assert rank["nonfinite"][1] == (1, "0", "forward", 32, 1)
 
 
 def test_ranks_with_different_columns_fail_clearly_on_every_rank(ranks):
