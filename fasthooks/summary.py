@@ -93,10 +93,13 @@ def _nonfinite(order: torch.Tensor, mean: torch.Tensor) -> list[Found]:
     return [((0, began, float(order[0, began])), "non-finite", began, detail)]
 
 
-def _dead(stats: dict[str, torch.Tensor], ran: torch.Tensor, window: int) -> list[Found]:
+def _dead(
+    stats: dict[str, torch.Tensor], ran: torch.Tensor, window: int, forward: bool
+) -> list[Found]:
     recent = ran.nonzero().flatten()[-window:]
     dead, what = stats["std"] == 0, "no spread (std 0)"
-    if "near_zero" in stats:
+    # Gradients are small by nature: only an output's near-zero fraction tells of dead units.
+    if forward and "near_zero" in stats:
         dead = dead | (stats["near_zero"] >= DEAD_FRACTION)
         what = f"near-zero fraction >= {DEAD_FRACTION} or no spread"
     if len(recent) == 0 or not bool(dead[recent].all()):
@@ -137,12 +140,13 @@ def _kurtosis_spikes(kurtosis: torch.Tensor) -> list[Found]:
 
 
 def module_findings(
-    stats: dict[str, torch.Tensor], order: torch.Tensor, window: int
+    stats: dict[str, torch.Tensor], order: torch.Tensor, window: int, forward: bool = True
 ) -> list[Found]:
     """(sort key, kind, column where it began, detail) of everything found in one module's
-    `(batches,)` statistics and its `(2, batches)` call order, most severe first."""
+    `(batches,)` statistics (of its outputs, else of their gradients) and its `(2, batches)`
+    call order, most severe first."""
     ran = ~stats["mean"].isnan() | (order[0] > 0)
-    found = _nonfinite(order, stats["mean"]) + _dead(stats, ran, window)
+    found = _nonfinite(order, stats["mean"]) + _dead(stats, ran, window, forward)
     found += _std_drift(stats["std"], window)
     if "kurtosis" in stats:
         found += _kurtosis_spikes(stats["kurtosis"])
@@ -158,7 +162,8 @@ def summarize(act: ActivationStats, top: int, window: int) -> Summary:
     names, order, batch_ids = act.module_names, act.call_order, act._batch_ids
     ranked = []
     for index, name in enumerate(names):
-        found = module_findings(act.layer_stats(index), order[:, index], window)
+        stats = act.layer_stats(index)
+        found = module_findings(stats, order[:, index], window, act.is_forward)
         if not found:
             continue
         key, kind, column, detail = found[0]

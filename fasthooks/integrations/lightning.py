@@ -26,9 +26,9 @@ class ActivationStatsCallback(RecordingCallback, pl.Callback):
     `activations/<module>/<stat>`; 0 logs nothing. At fit end, hooks are removed and, when a
     process group is initialised, every rank's statistics are merged (`all_reduce`); on an
     exception, hooks are removed and the statistics so far kept. With `on_nonfinite="raise"`
-    the fit stops after the step where it was found and `trainer.fit` raises `NonFiniteError`. The statistics are saved in
-    the trainer's checkpoints, and a fit resumed from one (`ckpt_path=`) continues their columns.
-    The live object is `.activation_stats`.
+    the fit stops after the step where it was found and `trainer.fit` raises `NonFiniteError`.
+    The statistics are saved in the trainer's checkpoints, and a fit resumed from one
+    (`ckpt_path=`) continues their columns. The live object is `.activation_stats`.
     """
 
     def __init__(self, log_every_n_steps: int | None = None, **kwargs: Any) -> None:
