@@ -26,7 +26,7 @@ CUDA_ARCHS ?= 8.0;9.0
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor-cache
 export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 
-.PHONY: setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa test-cuda-build test-wheel wheel lint bench bench-train bench-quick bench-cpu bench-params bench-abi clean
+.PHONY: setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa test-cuda-build test-wheel wheel lint bench bench-train bench-quick bench-cpu bench-params bench-nonfinite bench-abi clean
 
 $(VENV)/.ready: Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -130,6 +130,9 @@ bench-cpu: build
 
 bench-params: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/parameter_overhead.py --out results/parameter_overhead
+
+bench-nonfinite: build
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/nonfinite_guard.py --out results/nonfinite_guard
 
 # The same kernels on torch's C++ API (the last commit before the stable-ABI port), built here.
 CPP_API_COMMIT := 1eca956721744daf40780b29a1653acec0e765a9

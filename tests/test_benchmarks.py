@@ -68,3 +68,27 @@ def test_quick_training_benchmark_writes_table_json_and_plot(tmp_path):
     assert len(rows) == 1 + 3 * len(VARIANTS)
     assert (out / "overhead.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "training steps" in run.stderr  # the progress bar
+
+
+@pytest.mark.slow
+def test_guard_benchmark_times_every_watch_and_says_what_each_names(tmp_path):
+    pytest.importorskip("sklearn")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "nonfinite_guard.py"), "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=subprocess_env(),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ")
+        for line in run.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| variant")
+    }
+    assert rows["no watching"][3].strip(" |") == "nothing"
+    assert rows["ActivationStats, guard"][3].strip(" |").endswith("module '2', forward")
+    assert "loss is nan" in rows["finite loss check"][3]
+    assert "autograd node" in rows["detect_anomaly"][3]
+    assert all(float(row[1]) > 0 for row in rows.values())
+    assert "the one call the guard changes" in run.stdout
