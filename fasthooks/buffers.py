@@ -25,7 +25,7 @@ def call_clock(device: torch.device | str) -> torch.Tensor:
     """The device's call clock: a one-element int64 tensor that every hooked call of every run on
     the device advances, so that calls of different runs (a forward and a backward one) compare.
 
-    Example:
+    Examples:
         >>> call_clock("cpu") is call_clock(torch.device("cpu"))
         True
     """
@@ -41,7 +41,7 @@ def call_clock(device: torch.device | str) -> torch.Tensor:
 class StatBuffers:
     """Every buffer the operator writes for `num_modules` modules and `capacity` batch columns.
 
-    Example:
+    Examples:
         >>> b = StatBuffers(3, 8, "cpu", full=True, hist_bins=40)
         >>> [tuple(t.shape) for t in (b.state, b.stats, b.extra, b.hist, b.order)]
         [(9, 3, 8), (2, 3, 8), (4, 3, 8), (3, 8, 40), (2, 3, 8)]
@@ -148,7 +148,7 @@ class HostCopy:
 
     Columns before the cursor never change again, so only new ones cross from the device.
 
-    Example:
+    Examples:
         >>> copy = HostCopy(axis=1, dtype=torch.int64)
         >>> copy.read(torch.tensor([[1.0, 2.0, 3.0]]), 2).tolist()
         [[1, 2]]

@@ -90,7 +90,7 @@ class Hook:
     built from hooks on the tensors, so an in-place op after the module, or inside it
     (`nn.ReLU(inplace=True)`), is fine, where a module's full backward hook fails.
 
-    Example:
+    Examples:
         >>> lin = nn.Linear(3, 2)
         >>> with Hook(lin, lambda m, i, o: o.shape) as h:
         ...     _ = lin(torch.zeros(4, 3))
@@ -150,9 +150,11 @@ class Hooks:
     Args:
         ms: the modules (any iterable, a `Sequential` among them); if one cannot be hooked,
             none stays hooked.
-        hook_func, is_forward, detach: as for `Hook`.
+        hook_func: called for each module, as for `Hook`.
+        is_forward: forward hooks (True) or backward hooks, as for `Hook`.
+        detach: detach what the hook function receives, as for `Hook`.
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
         >>> with Hooks(model, lambda m, i, o: o.shape) as hooks:
         ...     _ = model(torch.zeros(5, 3))
@@ -212,7 +214,7 @@ def _keep_grad_output(m: nn.Module, grad_input: Any, grad_output: Any) -> Any:
 def hook_output(module: nn.Module, detach: bool = True, grad: bool = False) -> Hook:
     """Keep the output of `module` (or, with `grad=True`, the gradient of its output) in `.stored`.
 
-    Example:
+    Examples:
         >>> lin = nn.Linear(3, 2)
         >>> with hook_output(lin) as h:
         ...     y = lin(torch.ones(1, 3))
@@ -225,7 +227,7 @@ def hook_output(module: nn.Module, detach: bool = True, grad: bool = False) -> H
 def hook_outputs(modules: Iterable[nn.Module], detach: bool = True, grad: bool = False) -> Hooks:
     """`hook_output` for each of `modules`, as one `Hooks`.
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
         >>> with hook_outputs(model) as hooks:
         ...     _ = model(torch.ones(1, 3))
@@ -241,7 +243,7 @@ def modules_with_own_params(model: nn.Module) -> list[nn.Module]:
     layers (`BatchNormAct2d`: a batch norm's parameters, and act and drop children). The model
     itself only when it is a leaf: its output is its last layer's.
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
         >>> [type(m).__name__ for m in modules_with_own_params(model)]
         ['Linear', 'Linear']
@@ -263,7 +265,7 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
     """The module a `torch.compile` wrapper runs (itself for any other module): its hooks fire
     inside the compiled graph, and its `named_modules()` give the names users know.
 
-    Example:
+    Examples:
         >>> lin = nn.Linear(2, 2)
         >>> unwrap_compiled(torch.compile(lin)) is lin
         True
@@ -301,7 +303,7 @@ class HookCallback:
         do_remove: remove the hooks at `on_train_end` (default True).
         is_forward: forward hooks (default) or backward hooks (see `Hook`).
 
-    Example:
+    Examples:
         >>> class Shapes(HookCallback):
         ...     def hook(self, m, i, o):
         ...         return o.shape

@@ -52,7 +52,7 @@ COUNT, MEAN, M2, M3, M4, MIN, MAX, NEAR_ZERO, NONFINITE = range(len(STATE_PLANES
 def state_planes(full: bool) -> int:
     """How many state planes a run keeps: all of them with extras, else mean and std's three.
 
-    Example:
+    Examples:
         >>> state_planes(False), state_planes(True)
         (3, 9)
     """

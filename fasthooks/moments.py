@@ -22,7 +22,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def bin_edges(bins: int, lo: float, hi: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """The `bins + 1` float64 edges of equal bins over [lo, hi], as every backend computes them.
 
-    Example:
+    Examples:
         >>> bin_edges(4, 0.0, 1.0).tolist()
         [0.0, 0.25, 0.5, 0.75, 1.0]
     """
@@ -36,7 +36,7 @@ def histogram(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
     """int64 counts of x in `bins` equal bins over [lo, hi]: the top edge falls in the last bin,
     values outside the range and NaN in none, as `torch.histc`.
 
-    Example:
+    Examples:
         >>> histogram(torch.tensor([0.0, 0.5, 1.0, 2.0, float("nan")]), 2, 0.0, 1.0).tolist()
         [1, 2]
     """
@@ -52,7 +52,7 @@ def histogram(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
 def batch_stats(x: torch.Tensor, full: bool, near_zero: float) -> torch.Tensor:
     """The float64 state planes of the values of a non-empty x (all planes, or the first three).
 
-    Example:
+    Examples:
         >>> batch_stats(torch.tensor([1.0, 3.0]), False, 0.05).tolist()
         [2.0, 2.0, 2.0]
     """
@@ -84,7 +84,7 @@ def batch_stats(x: torch.Tensor, full: bool, near_zero: float) -> torch.Tensor:
 def merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Pairwise merge of two stacks of state planes (leading axis), as the kernels merge them.
 
-    Example:
+    Examples:
         >>> one, two = torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0, 3.0, 0.0])
         >>> merge(one, two).tolist()
         [2.0, 2.0, 2.0]
@@ -121,7 +121,7 @@ def finalise(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
 
     A slot with no element reads NaN; std and kurtosis need two elements, kurtosis a spread.
 
-    Example:
+    Examples:
         >>> stats, extra = finalise(torch.tensor([2.0, 2.0, 2.0]))
         >>> stats.tolist(), extra
         ([2.0, 1.4142135381698608], None)
@@ -154,7 +154,7 @@ def derived_extra(name: str, state: torch.Tensor) -> torch.Tensor:
     magnitude, NaN once a NaN was seen) of every slot of a full merge state; NaN where a slot
     has no element.
 
-    Example:
+    Examples:
         >>> from fasthooks.buffers import StatBuffers
         >>> b = StatBuffers(1, 1, "cpu", full=True, hist_bins=0)
         >>> accumulate_stats_python(torch.tensor([3.0, -4.0]), *b.op_args(), 0, 0.05, 0.0, 1.0)
@@ -187,7 +187,7 @@ def accumulate_stats_python(
     """Merge the statistics of all of `x` into slot (`slot`, `cursor`) of the buffers, in place,
     and note the call in the call order (`order`, `clock`) unless `order` is empty.
 
-    Example:
+    Examples:
         >>> from fasthooks.buffers import StatBuffers
         >>> b = StatBuffers(1, 2, "cpu", full=False, hist_bins=0)
         >>> accumulate_stats_python(torch.tensor([1.0, 3.0]), *b.op_args(), 0, 0.05, 0.0, 1.0)
@@ -272,7 +272,7 @@ def accumulate_stats_list_python(
     `xs[i] - bases[i]`, the difference taken in float32 (float64 for float64 tensors), which
     needs a full (9-plane) state.
 
-    Example:
+    Examples:
         >>> from fasthooks.buffers import StatBuffers
         >>> b = StatBuffers(2, 1, "cpu", full=True, hist_bins=0)
         >>> after, before = [torch.tensor([3.0, 5.0])], [torch.tensor([1.0, 1.0])]

@@ -87,7 +87,7 @@ def earliest(order: torch.Tensor) -> tuple[int, int, int, int] | None:
     `(2, modules, columns)` (`layout.ORDER_PLANES`): its first column with a non-finite call,
     and the call of that column that took the clock first; None when there is none.
 
-    Example:
+    Examples:
         >>> order = torch.zeros(2, 3, 4, dtype=torch.int64)
         >>> order[:, 2, 1] = torch.tensor([8, 5]); order[:, 0, 1] = torch.tensor([9, 1])
         >>> earliest(order)
@@ -133,7 +133,7 @@ def first_nonfinite(*runs: ActivationStats) -> NonFinite | None:
     and a backward `ActivationStats`, say): the earliest batch, then within it the call that ran
     first (every hooked call on a device takes a position on that device's call clock).
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> from fasthooks import ActivationStats
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))

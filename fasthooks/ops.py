@@ -88,7 +88,7 @@ if _LOAD_ERROR is None:
 def extension_available() -> bool:
     """Whether the fused C++/CUDA operators are loaded.
 
-    Example:
+    Examples:
         >>> isinstance(extension_available(), bool)
         True
     """
@@ -127,7 +127,7 @@ def accumulate_stats(
     """Merge the statistics of all of `x` into slot (`slot`, `cursor`) with the fused operator,
     noting the call in the call order (`layout.ORDER_PLANES`) unless `order` is empty.
 
-    Example:
+    Examples:
         >>> from fasthooks.buffers import StatBuffers
         >>> b = StatBuffers(1, 1, "cpu", full=True, hist_bins=0)
         >>> if extension_available():
@@ -198,7 +198,7 @@ def resolve_list_backend(backend: str) -> Accumulate:
 def resolve_backend(backend: str) -> tuple[str, Accumulate]:
     """The backend name in use and its accumulate function for `backend` in BACKENDS.
 
-    Example:
+    Examples:
         >>> resolve_backend("python")[0]
         'python'
     """

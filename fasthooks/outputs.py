@@ -46,7 +46,7 @@ def measured_tensor(output: Any) -> tuple[torch.Tensor | None, str]:
     bool tensor as float32. Complex, sparse, quantized and meta tensors, and outputs with no
     tensor, are measured as nothing.
 
-    Example:
+    Examples:
         >>> values, indices = torch.tensor([1.5, 2.5]), torch.tensor([0, 1])
         >>> measured_tensor((indices, {"values": values}))[0].tolist()
         [1.5, 2.5]

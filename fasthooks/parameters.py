@@ -107,10 +107,14 @@ class ParameterStats:
             of `model` the optimizer steps, in `model.named_parameters()` order.
         of: the kinds to record, from "weight", "grad", "update".
         every: record every N-th optimizer step (default 1).
-        extra, near_zero, hist_bins, hist_range, backend: as for `ActivationStats`.
+        extra: extra statistics, as for `ActivationStats`.
+        near_zero: the threshold of "near_zero", as for `ActivationStats`.
+        hist_bins: histogram bins, as for `ActivationStats`.
+        hist_range: the histogram's (lo, hi), as for `ActivationStats`.
+        backend: "auto", "fused" or "python", as for `ActivationStats`.
         expected_steps: columns allocated up front (default 64); more double the buffers.
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> with ParameterStats(model, opt, backend="python") as ps:

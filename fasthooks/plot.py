@@ -37,7 +37,7 @@ def _save(fig: Figure, path: str | Path | None) -> Figure:
 def plot_stats(stats: torch.Tensor, path: str | Path, names: Sequence[str] | None = None) -> Path:
     """Save a PNG of the mean (left) and std (right) of each module over the batches.
 
-    Example:
+    Examples:
         >>> plot_stats(torch.rand(2, 3, 10), "/tmp/stats.png")  # doctest: +SKIP
     """
     if stats.dim() != 3 or stats.shape[0] != 2:

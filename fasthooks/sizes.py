@@ -14,7 +14,7 @@ from .hook import hook_outputs
 def in_channels(m: nn.Module) -> int:
     """The number of input channels of the first layer of `m` with a weight of 2 or more dims.
 
-    Example:
+    Examples:
         >>> in_channels(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()))
         3
     """
@@ -32,7 +32,7 @@ def _model_device(m: nn.Module) -> torch.device:
 def dummy_batch(m: nn.Module, size: Sequence[int] = (64, 64)) -> torch.Tensor:
     """A zero batch of one item with `in_channels(m)` channels and spatial `size`.
 
-    Example:
+    Examples:
         >>> dummy_batch(nn.Conv2d(3, 8, 3), (32, 32)).shape
         torch.Size([1, 3, 32, 32])
     """
@@ -42,7 +42,7 @@ def dummy_batch(m: nn.Module, size: Sequence[int] = (64, 64)) -> torch.Tensor:
 def dummy_eval(m: nn.Module, size: Sequence[int] = (64, 64)) -> object:
     """`m` applied to `dummy_batch(m, size)` in eval mode under no_grad; the mode is restored.
 
-    Example:
+    Examples:
         >>> dummy_eval(nn.Conv2d(3, 8, 3), (32, 32)).shape
         torch.Size([1, 8, 30, 30])
     """
@@ -70,7 +70,7 @@ def model_sizes(m: nn.Module, size: Sequence[int] = (64, 64)) -> list[torch.Size
 
     A child that did not run in the forward pass gets None.
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.Flatten())
         >>> model_sizes(model, (9, 9))
         [torch.Size([1, 8, 4, 4]), torch.Size([1, 8, 4, 4]), torch.Size([1, 128])]
@@ -83,7 +83,7 @@ def model_sizes(m: nn.Module, size: Sequence[int] = (64, 64)) -> list[torch.Size
 def num_features_model(m: nn.Module) -> int:
     """The number of features (channels) of the last child's output, trying growing input sizes.
 
-    Example:
+    Examples:
         >>> num_features_model(nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 5, 3)))
         5
     """
@@ -100,7 +100,7 @@ def num_features_model(m: nn.Module) -> int:
 def total_params(m: nn.Module) -> tuple[int, bool]:
     """The number of parameters `m` owns directly, and whether any of them is trainable.
 
-    Example:
+    Examples:
         >>> total_params(nn.Linear(3, 2))
         (8, True)
     """
@@ -127,7 +127,7 @@ def params_size(m: nn.Module, size: Sequence[int] = (3, 64, 64)) -> list[LayerIn
 
     `size` is the shape of one input item, channels first.
 
-    Example:
+    Examples:
         >>> params_size(nn.Sequential(nn.Linear(4, 2)), size=(4,))[0].params
         10
     """
@@ -155,7 +155,7 @@ def _run_item(m: nn.Module, size: Sequence[int]) -> None:
 def model_summary(m: nn.Module, size: Sequence[int] = (3, 64, 64)) -> str:
     """A table of every leaf layer's name, output shape, parameters and trainable flag, with totals.
 
-    Example:
+    Examples:
         >>> print(model_summary(nn.Sequential(nn.Linear(4, 2)), size=(4,)))  # doctest: +ELLIPSIS
         Layer (type) ...
     """

@@ -206,7 +206,7 @@ class ActivationStats(HookCallback):
     The recorded std is unbiased, as `torch.std`. What is recorded follows the model's training
     mode, not each module's.
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
         >>> act = ActivationStats(model, backend="python", extra=["max"], hist_bins=10)
         >>> with act:
@@ -327,7 +327,7 @@ class ActivationStats(HookCallback):
         """Continue the columns of a saved run at the next `on_train_begin` (the next `with act:`);
         a state from another model, or with other statistics, is refused.
 
-        Example:
+        Examples:
             >>> model = nn.Sequential(nn.Linear(4, 4))
             >>> with ActivationStats(model, backend="python") as act:
             ...     _ = model(torch.randn(2, 4))
@@ -531,7 +531,7 @@ class ActivationStats(HookCallback):
         """Every recorded statistic of one module, by column index or qualified name:
         `(batches,)` CPU tensors "mean", "std" and each extra.
 
-        Example:
+        Examples:
             >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
             >>> with ActivationStats(model, backend="python", extra=["max"]) as act:
             ...     _ = model(torch.randn(8, 4))
@@ -626,7 +626,7 @@ class ActivationStats(HookCallback):
         module called first. After `all_reduce`, the earliest over every rank, naming the rank.
         `fasthooks.first_nonfinite(forward, backward)` compares several runs.
 
-        Example:
+        Examples:
             >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
             >>> with ActivationStats(model, backend="python", extra=["nonfinite"]) as act:
             ...     for x in (1.0, float("nan")):

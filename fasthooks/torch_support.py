@@ -8,7 +8,7 @@ MIN_TORCH_TEXT = ".".join(map(str, MIN_TORCH))
 def torch_version(version: str) -> tuple[int, int]:
     """(major, minor) of a torch version string.
 
-    Example:
+    Examples:
         >>> torch_version("2.9.1+cu128")
         (2, 9)
     """

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,3 +207,30 @@ def test_torch_older_than_its_abi_installs_the_pure_python_package(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "fasthooks"
     assert "torch 2.9.1 predates the stable ABI (torch >= 2.10)" in run.stderr
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FASTHOOKS_INSTALLED_AT"),
+    reason="only for a package installed into a folder of its own (FASTHOOKS_INSTALLED_AT)",
+)
+def test_the_package_under_test_is_the_installed_one():
+    folder = os.path.abspath(os.environ["FASTHOOKS_INSTALLED_AT"])
+    assert fasthooks.extension_available(), fasthooks.extension_error()
+    assert fasthooks.__file__.startswith(folder), fasthooks.__file__
+    assert importlib.util.find_spec("fasthooks._C").origin.startswith(folder)
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FASTHOOKS_WHEEL_DIR"),
+    reason="only for the wheel installed beside another torch (FASTHOOKS_WHEEL_DIR, make test)",
+)
+def test_the_wheel_is_tagged_for_a_manylinux_policy():
+    (wheel_file,) = Path(os.environ["FASTHOOKS_WHEEL_DIR"]).glob("fasthooks-*.dist-info/WHEEL")
+    tags = [
+        line.split(": ", 1)[1]
+        for line in wheel_file.read_text().splitlines()
+        if line.startswith("Tag: ")
+    ]
+    assert tags and all(re.fullmatch(r"cp310-abi3-manylinux_2_\d+_x86_64", tag) for tag in tags), (
+        tags
+    )

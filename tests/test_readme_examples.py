@@ -1,4 +1,5 @@
-"""The README's framework examples run as written, and fasthooks alone imports no framework."""
+"""The examples of the README and docs/ run as written, and fasthooks alone imports no
+framework."""
 
 from __future__ import annotations
 
@@ -10,10 +11,17 @@ from pathlib import Path
 import pytest
 from conftest import framework, subprocess_env
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 EXAMPLE = re.compile(r"```python\n# example: (?P<name>[^\n]+)\n(?P<code>.*?)```", re.S)
-EXAMPLES = {m["name"]: m["code"] for m in EXAMPLE.finditer(README.read_text())}
-NEEDS = {"Lightning": "lightning", "Hugging Face": "transformers", "fastai": "fastai"}
+EXAMPLES = {m["name"]: m["code"] for page in PAGES for m in EXAMPLE.finditer(page.read_text())}
+# The framework each example needs, if any.
+NEEDS = {
+    "quickstart": None,
+    "Lightning": "lightning",
+    "Hugging Face": "transformers",
+    "fastai": "fastai",
+}
 
 
 def test_every_framework_has_an_example():
@@ -22,7 +30,8 @@ def test_every_framework_has_an_example():
 
 @pytest.mark.parametrize("name", sorted(NEEDS))
 def test_readme_example_runs_as_written(name, tmp_path):
-    framework(NEEDS[name])
+    if NEEDS[name] is not None:
+        framework(NEEDS[name])
     run = subprocess.run(
         [sys.executable, "-c", EXAMPLES[name]],
         cwd=tmp_path,

@@ -1,6 +1,6 @@
 """ActivationStats in a fastai (v2) `Learner`: `pip install fasthooks[fastai]`.
 
-Example:
+Examples:
     >>> from fasthooks.integrations.fastai import ActivationStatsCallback
     >>> callback = ActivationStatsCallback(extra=["max"], hist_bins=40)
     >>> # learn.fit(1, cbs=[callback]); callback.activation_stats.stats

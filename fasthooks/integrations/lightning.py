@@ -1,6 +1,6 @@
 """ActivationStats in a Lightning `Trainer`: `pip install fasthooks[lightning]`.
 
-Example:
+Examples:
     >>> import lightning.pytorch as pl
     >>> from fasthooks.integrations.lightning import ActivationStatsCallback
     >>> callback = ActivationStatsCallback(extra=["max"], hist_bins=40)

@@ -1,6 +1,6 @@
 """ActivationStats in a Hugging Face `Trainer`: `pip install fasthooks[transformers]`.
 
-Example:
+Examples:
     >>> from fasthooks.integrations.transformers import ActivationStatsCallback
     >>> callback = ActivationStatsCallback(extra=["max"], hist_bins=40)
     >>> # Trainer(model, args, train_dataset=..., callbacks=[callback]).train()
