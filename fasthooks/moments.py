@@ -276,7 +276,7 @@ def accumulate_stats_list_python(
         >>> from fasthooks.buffers import StatBuffers
         >>> b = StatBuffers(2, 1, "cpu", full=True, hist_bins=0)
         >>> after, before = [torch.tensor([3.0, 5.0])], [torch.tensor([1.0, 1.0])]
-        >>> accumulate_stats_list_python(after, before, *b.op_args(), 0.05, 0.0, 1.0)
+        >>> accumulate_stats_list_python(after, before, *b.list_op_args(), 0.05, 0.0, 1.0)
         >>> b.stats[:, 0, 0].tolist()
         [3.0, 1.4142135381698608]
     """
