@@ -31,7 +31,7 @@ stage() {
 cat "$out/setup.log"
 
 stage build 300 "$out/setup.log" env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
-  "$python" setup.py -q build_ext --inplace
+  "$python" -m pip install -q --no-build-isolation --no-deps -e .
 
 # Registers and spills of each kernel for this GPU's architecture, beside the README's table.
 arch=$("$python" -c "import torch; print('%d%d' % torch.cuda.get_device_capability())" 2>/dev/null)

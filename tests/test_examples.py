@@ -4,12 +4,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import subprocess_env
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def test_the_diverging_run_is_caught_where_it_began():
+    pytest.importorskip("sklearn")
     run = subprocess.run(
         [sys.executable, str(EXAMPLES / "diverging.py")],
         env=subprocess_env(),

@@ -264,13 +264,19 @@ def test_summary_finds_each_kind_of_trouble_most_severe_first(backend):
     }
     assert found[1][1] == "dead" and found[-1][1] == "kurtosis spike"
     assert "fine" not in {f.module for f in summary}
-    frame = summary.to_dataframe()
-    assert list(frame.columns) == ["module", "kind", "batch", "detail", "also"]
-    assert frame["module"].tolist() == [f.module for f in summary]
     assert str(summary).splitlines()[0].split()[:3] == ["module", "found", "since"]
     assert len(_summary_run(backend).summary(top=2)) == 2
     with pytest.raises(ValueError, match="top must be an int >= 1"):
-        summary = _summary_run(backend).summary(top=0)
+        _summary_run(backend).summary(top=0)
+
+
+def test_the_summary_as_a_dataframe():
+    pytest.importorskip("pandas")
+    summary = _summary_run("python").summary()
+    frame = summary.to_dataframe()
+    assert list(frame.columns) == ["module", "kind", "batch", "detail", "also"]
+    assert frame["module"].tolist() == [f.module for f in summary]
+    assert frame["batch"].tolist() == [f.batch for f in summary]
 
 
 def test_a_dead_module_without_near_zero_is_one_without_spread():
