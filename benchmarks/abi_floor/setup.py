@@ -1,5 +1,5 @@
 """Builds the two do-nothing operators that `benchmarks/abi_compare.py` times beside fasthooks:
-python benchmarks/abi_floor/setup.py build_ext --build-lib DIR
+pip install --no-build-isolation --no-deps --target DIR benchmarks/abi_floor
 """
 
 from pathlib import Path
