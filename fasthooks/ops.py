@@ -187,6 +187,44 @@ def _warn_broken_extension() -> None:
     )
 
 
+_warned_no_device_kernel: set[str] = set()
+
+
+def has_kernel_for(device_type: str) -> bool:
+    """Whether the loaded extension registered `accumulate_stats` for a device type ("cuda")."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        "fasthooks::accumulate_stats", device_type.upper()
+    )
+
+
+def backend_for_device(backend: str, requested: str, device: torch.device) -> str:
+    """The backend to use on `device`: `backend` unless it is "fused" and the build has no kernel
+    for the device (a wheel built against a CPU torch, on a GPU); then "auto" falls back to
+    "python" with one warning, and "fused" asked for by name is refused.
+
+    Examples:
+        >>> backend_for_device("fused", "auto", torch.device("cpu"))
+        'fused'
+    """
+    if backend != "fused" or device.type in ("cpu", "meta") or has_kernel_for(device.type):
+        return backend
+    why = (
+        f"this build of fasthooks._C has no {device.type} kernel (it was built without them: "
+        f"a wheel built against a CPU torch, say); to have them, build it from source with a "
+        f"{device.type} build of torch (`pip install --no-build-isolation .`)"
+    )
+    if requested == "fused":
+        raise RuntimeError(f"backend='fused' on {device}: {why}, or use backend='python'")
+    if device.type not in _warned_no_device_kernel:
+        _warned_no_device_kernel.add(device.type)
+        warnings.warn(
+            f"fasthooks: {why}. The python backend runs instead, with the same numbers",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return "python"
+
+
 def resolve_list_backend(backend: str) -> Accumulate:
     """`accumulate_stats_list` of the backend that `resolve_backend(backend)` picks."""
     name, _ = resolve_backend(backend)

@@ -13,7 +13,7 @@ from torch import nn
 from . import checkpoint
 from .buffers import HostCopy, StatBuffers
 from .layout import COUNT, DERIVED_EXTRAS, M2, MEAN
-from .ops import resolve_list_backend
+from .ops import backend_for_device, resolve_backend, resolve_list_backend
 from .stats import _check_extra, _check_hist, _uncompiled_name, count_argument, read_extras
 
 KINDS = ("weight", "grad", "update")
@@ -156,6 +156,7 @@ class ParameterStats:
             raise TypeError(f"near_zero must be a number, got {type(near_zero).__name__}")
         self.near_zero = float(near_zero)
         self._accumulate = resolve_list_backend(backend)
+        self._backend = (backend, resolve_backend(backend)[0])  # as asked for, and resolved
         self.param_names, self._params = _stepped_parameters(model, optimizer, parameters)
         self._buffers: dict[str, StatBuffers] = {}
         self._handles: list[Any] = []
@@ -189,6 +190,9 @@ class ParameterStats:
         if resume is not None:
             capacity = max(capacity, resume["num_steps"] + 1)
         device = self._params[0].device if self._params else torch.device("cpu")
+        requested, resolved = self._backend
+        if backend_for_device(resolved, requested, device) != resolved:
+            self._accumulate = resolve_list_backend("python")
         full = True  # norm and absmax need the extremes
         self._buffers = {
             kind: StatBuffers(len(self._params), capacity, device, full, self.hist_bins)

@@ -21,7 +21,7 @@ from .hook import HookCallback
 from .layout import COUNT, DERIVED_EXTRAS, EXTRA_PLANES, EXTRAS, MAX_HIST_BINS
 from .moments import derived_extra
 from .nonfinite import NonFinite, NonFiniteWatch, first_nonfinite
-from .ops import resolve_backend
+from .ops import backend_for_device, resolve_backend
 from .outputs import measured_tensor
 
 DEFAULT_CAPACITY = 64
@@ -245,6 +245,7 @@ class ActivationStats(HookCallback):
             raise ValueError("near_zero must not be NaN")
         self._watch = NonFiniteWatch(on_nonfinite)
         self.backend, self._accumulate = resolve_backend(backend)
+        self._requested_backend = backend
         self.expected_batches = expected_batches
         self.extra_names = _check_extra(extra)
         self.near_zero = float(near_zero)
@@ -292,6 +293,8 @@ class ActivationStats(HookCallback):
             )
         slots = self._check_unique(modules)
         device = _buffer_device(self.model, modules)
+        if backend_for_device(self.backend, self._requested_backend, device) != self.backend:
+            self.backend, self._accumulate = resolve_backend("python")
         resume, self._resume = self._resume, None
         capacity = self.expected_batches
         if resume is not None:  # checked by load_state_dict

@@ -234,3 +234,16 @@ def test_the_wheel_is_tagged_for_a_manylinux_policy():
     assert tags and all(re.fullmatch(r"cp310-abi3-manylinux_2_\d+_x86_64", tag) for tag in tags), (
         tags
     )
+
+
+@FUSED
+def test_a_device_the_build_has_no_kernel_for_falls_back_or_is_refused(monkeypatch):
+    monkeypatch.setattr(fasthooks.ops, "_warned_no_device_kernel", set())
+    xpu = torch.device("xpu")  # no build of fasthooks._C registers kernels for it
+    assert not fasthooks.ops.has_kernel_for("xpu") and fasthooks.ops.has_kernel_for("cpu")
+    with pytest.warns(RuntimeWarning, match="has no xpu kernel .* python backend runs instead"):
+        assert fasthooks.ops.backend_for_device("fused", "auto", xpu) == "python"
+    with pytest.raises(RuntimeError, match="backend='fused' on xpu: this build .* no xpu kernel"):
+        fasthooks.ops.backend_for_device("fused", "fused", xpu)
+    assert fasthooks.ops.backend_for_device("python", "python", xpu) == "python"
+    assert fasthooks.ops.backend_for_device("fused", "fused", torch.device("cpu")) == "fused"
