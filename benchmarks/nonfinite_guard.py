@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from sklearn.datasets import load_digits
-from timing import interleaved, machine_line, markdown_table
+from timing import interleaved, machine_line, markdown_table, report
 from torch import nn
 
 import fasthooks
@@ -211,10 +211,7 @@ def main() -> None:
         f"`on_batch_end`, the one call the guard changes: {cost['None']:.1f} us without it, "
         f"{cost['raise']:.1f} us with it.\n"
     )
-    print(text, end="")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.md").write_text(text)
+    report(text, args.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from timing import interleaved, machine_line, markdown_table
+from timing import interleaved, machine_line, markdown_table, report
 from torch import nn
 
 from fasthooks import ParameterStats
@@ -67,10 +67,7 @@ def main() -> None:
     ]
     table = markdown_table(["variant", "ms per step", "over no statistics"], rows)
     text = f"{machine_line()}\n\n{table}\n"
-    print(text, end="")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.md").write_text(text)
+    report(text, args.out)
 
 
 if __name__ == "__main__":

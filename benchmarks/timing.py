@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass
@@ -72,6 +73,14 @@ def geometric_mean(values: Iterable[float]) -> float:
     for v in values:
         product *= v
     return product ** (1.0 / len(values))
+
+
+def report(text: str, out: Path | None) -> None:
+    """Print a run's results and, when `out` is given, write them to `out/results.md`."""
+    print(text, end="")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.md").write_text(text)
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
