@@ -39,7 +39,8 @@ def call_clock(device: torch.device | str) -> torch.Tensor:
 
 
 class StatBuffers:
-    """Every buffer the operator writes for `num_modules` modules and `capacity` batch columns.
+    """Every buffer the operator writes for `num_modules` modules and `capacity` batch columns;
+    with `ordered=False` no call order (`accumulate_stats_list`, which keeps none).
 
     Examples:
         >>> b = StatBuffers(3, 8, "cpu", full=True, hist_bins=40)
@@ -54,9 +55,10 @@ class StatBuffers:
         device: torch.device | str,
         full: bool,
         hist_bins: int,
+        ordered: bool = True,
     ) -> None:
         device = torch.device(device)
-        self.full, self.hist_bins = full, hist_bins
+        self.full, self.hist_bins, self.ordered = full, hist_bins, ordered
         # Buffers made under torch.inference_mode could not be updated once training resumes.
         with torch.inference_mode(False):
             self._create(num_modules, capacity, device)
@@ -81,7 +83,7 @@ class StatBuffers:
         self.extra = torch.full(extra_shape, float("nan"), device=device)
         hist_shape = (num_modules, capacity, self.hist_bins) if self.hist_bins else (0,)
         self.hist = torch.zeros(hist_shape, dtype=torch.int64, device=device)
-        order_shape = (len(ORDER_PLANES), num_modules, capacity)
+        order_shape = (len(ORDER_PLANES), num_modules, capacity) if self.ordered else (0,)
         self.order = torch.zeros(order_shape, dtype=torch.int64, device=device)
 
     @property
@@ -129,7 +131,8 @@ class StatBuffers:
             self.extra.index_fill_(2, column, float("nan"))
         if self.hist_bins:
             self.hist.index_fill_(1, column, 0)
-        self.order.index_fill_(2, column, 0)
+        if self.ordered:
+            self.order.index_fill_(2, column, 0)
 
     def dropped_calls(self) -> int:
         """How many calls the CUDA kernels dropped because the cursor was past the capacity (a

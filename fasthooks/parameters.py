@@ -195,11 +195,13 @@ class ParameterStats:
             self._accumulate = resolve_list_backend("python")
         full = True  # norm and absmax need the extremes
         self._buffers = {
-            kind: StatBuffers(len(self._params), capacity, device, full, self.hist_bins)
+            kind: StatBuffers(
+                len(self._params), capacity, device, full, self.hist_bins, ordered=False
+            )
             for kind in self.kinds
         }
         if "update" in self.kinds:  # the weights before the step, for update_ratio
-            self._before = StatBuffers(len(self._params), capacity, device, False, 0)
+            self._before = StatBuffers(len(self._params), capacity, device, False, 0, ordered=False)
         with torch.inference_mode(False):
             self._weights = [p.detach() for p in self._params]  # views: in place steps show
             self._snapshots = [w.clone() for w in self._weights] if "update" in self.kinds else []
