@@ -107,7 +107,8 @@ def extension_build():
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
     # Only torch's stable C ABI and header-only types, so the binary loads under any later torch.
     target = f"-DTORCH_TARGET_VERSION={STABLE_ABI_TARGET:#x}"
-    cxx = ["-O3", "-fvisibility=hidden", target]
+    # C++20 for constinit kernel tables; torch before 2.13 would otherwise add -std=c++17.
+    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", target]
     if _cuda_decision(torch.version.cuda, cpp_extension.CUDA_HOME):
         sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cu"))
         extension = cpp_extension.CUDAExtension(
@@ -115,7 +116,7 @@ def extension_build():
             sources,
             include_dirs=_pip_cuda_include_dirs(),
             # USE_CUDA declares the C shim's CUDA functions (the current stream among them).
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", target, "-DUSE_CUDA"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20", target, "-DUSE_CUDA"]},
             py_limited_api=True,
         )
     else:

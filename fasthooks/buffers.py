@@ -122,6 +122,18 @@ class StatBuffers:
             if previous.numel() > 0:
                 new.narrow(axis, 0, capacity).copy_(previous)
 
+    def moved_to(self, device: torch.device | str) -> StatBuffers:
+        """The same buffers, cursor and columns on another device (the call clock is that
+        device's own)."""
+        moved = StatBuffers(
+            self.state.shape[1], self.capacity, device, self.full, self.hist_bins, self.ordered
+        )
+        for new, old in zip(
+            (moved.cursor, *moved._columned()), (self.cursor, *self._columned()), strict=True
+        ):
+            new.copy_(old)
+        return moved
+
     def clear_column(self) -> None:
         """Forget every module's statistics at the cursor's column."""
         column = self.cursor.reshape(1)

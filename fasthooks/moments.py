@@ -27,9 +27,11 @@ def bin_edges(bins: int, lo: float, hi: float, device: torch.device | str = "cpu
         [0.0, 0.25, 0.5, 0.75, 1.0]
     """
     k = torch.arange(bins + 1, dtype=torch.float64, device=device)
-    edges = lo + (hi - lo) * k / bins
-    edges[-1] = hi
-    return edges
+    # A tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal, which
+    # rounds some edges differently from the CPU. `where` with a scalar copies nothing to the
+    # device, so no host sync and nothing a CUDA graph capture refuses.
+    edges = lo + (hi - lo) * k / torch.full_like(k, bins)
+    return torch.where(k == bins, hi, edges)
 
 
 def histogram(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:

@@ -42,9 +42,10 @@ def _uncompiled_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
-def _buffer_device(model: nn.Module, modules: list[nn.Module]) -> torch.device:
-    """The one device of the hooked modules' parameters (the model's when they have none), where
-    the buffers live; several devices are refused, and so is nn.DataParallel over several GPUs."""
+def _buffer_device(model: nn.Module, modules: list[nn.Module]) -> torch.device | None:
+    """The one device of the hooked modules' parameters (the model's parameters or buffers when
+    they have none), where the buffers live; None for a model with neither, whose first hooked
+    output tells. Several devices are refused, and so is nn.DataParallel over several GPUs."""
     for m in model.modules():
         if isinstance(m, nn.DataParallel) and len(m.device_ids) > 1:
             raise ValueError(
@@ -60,7 +61,14 @@ def _buffer_device(model: nn.Module, modules: list[nn.Module]) -> torch.device:
             "its buffers on one device. Give each device an ActivationStats of its own, with "
             "modules= the modules on that device"
         )
-    device = devices.pop() if devices else next(model.parameters(), torch.empty(0)).device
+    if devices:
+        device = devices.pop()
+    else:
+        tensor = next(model.parameters(), None)
+        tensor = next(model.buffers(), None) if tensor is None else tensor
+        if tensor is None:
+            return None
+        device = tensor.device
     # A model on the meta device computes nothing to record; its statistics read NaN.
     return torch.device("cpu") if device.type == "meta" else device
 
@@ -257,6 +265,7 @@ class ActivationStats(HookCallback):
         if self.modules is not None:
             self._slots = self._check_unique(self.modules)
         self._buffers: StatBuffers | None = None
+        self._device_pending = False
         self._args: tuple[torch.Tensor, ...] = ()
         self._host = _host_copies()
         self._num_batches = 0
@@ -293,6 +302,9 @@ class ActivationStats(HookCallback):
             )
         slots = self._check_unique(modules)
         device = _buffer_device(self.model, modules)
+        # A model without parameters or buffers: the buffers follow its first hooked output.
+        self._device_pending = device is None
+        device = torch.device("cpu") if device is None else device
         if backend_for_device(self.backend, self._requested_backend, device) != self.backend:
             self.backend, self._accumulate = resolve_backend("python")
         resume, self._resume = self._resume, None
@@ -371,6 +383,8 @@ class ActivationStats(HookCallback):
         if slot is None:
             self._foreign(m)
             return
+        if self._device_pending:
+            self._adopt_device(x.device)
         try:
             self._accumulate(x.detach(), *self._args, slot, *self._options)
         except _MEASURE_ERRORS as error:
@@ -393,7 +407,22 @@ class ActivationStats(HookCallback):
         if slot is None:
             self._foreign(m)
             return
+        if self._device_pending:
+            self._adopt_device(x.device)
         self._accumulate(x.detach(), *self._args, slot, *self._options)
+
+    def _adopt_device(self, device: torch.device) -> None:
+        """Move the still empty buffers to the device of the first hooked output (a model
+        without parameters or buffers gave none at `on_train_begin`)."""
+        self._device_pending = False
+        old = self._buffers
+        if device == old.state.device:
+            return
+        if backend_for_device(self.backend, self._requested_backend, device) != self.backend:
+            self.backend, self._accumulate = resolve_backend("python")
+        self._buffers = old.moved_to(device)
+        self._args = self._buffers.op_args()
+        self._host = _host_copies()
 
     def _foreign(self, m: nn.Module) -> None:
         """A module this run did not hook called its hook: a copy of a hooked one."""
