@@ -20,6 +20,8 @@ from .nonfinite import (
 from .ops import extension_available, extension_error
 from .parameters import ParameterStats
 from .plot import plot_stats
+from .recording import Recording, load
+from .sink import SinkChunk
 from .sizes import (
     LayerInfo,
     dummy_batch,
@@ -44,6 +46,8 @@ __all__ = [
     "NonFiniteReport",
     "NonFiniteWarning",
     "ParameterStats",
+    "Recording",
+    "SinkChunk",
     "StatisticsError",
     "__version__",
     "dummy_batch",
@@ -54,6 +58,7 @@ __all__ = [
     "hook_output",
     "hook_outputs",
     "in_channels",
+    "load",
     "model_sizes",
     "model_summary",
     "modules_with_own_params",

@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .buffers import StatBuffers
+from .buffers import HostCopy, StatBuffers
 from .moments import finalise
+from .window import ColumnWindow
 
 if TYPE_CHECKING:
     from .stats import ActivationStats
@@ -26,23 +27,41 @@ def settings(act: ActivationStats) -> dict[str, Any]:
         "hist_bins": act.hist_bins,
         "hist_range": [act.hist_min, act.hist_max],
         "every": act.every,
+        "window": act.window,
     }
 
 
-def state_dict(act: ActivationStats, buffers: StatBuffers | None) -> dict[str, Any]:
-    """The recorded columns and the sampling position, as CPU tensors and plain values."""
-    n = act.num_batches
-    empty = buffers is None
+def held_columns(buffers: StatBuffers, window: ColumnWindow, n: int) -> dict[str, torch.Tensor]:
+    """CPU copies of the columns the buffers hold after `n` recorded batches, oldest first:
+    the merge state, histogram and call order."""
+
+    def held(source: torch.Tensor, axis: int) -> torch.Tensor:
+        if source.numel() == 0:
+            return torch.empty(0, dtype=source.dtype)
+        return window.read(HostCopy(axis, source.dtype), source, n).clone()
+
     return {
-        "version": VERSION,
-        **settings(act),
-        "num_batches": n,
-        "seen": act._seen,
-        "batches": act.batches,
-        "state": torch.empty(0) if empty else buffers.state[:, :, :n].cpu(),
-        "hist": torch.empty(0) if empty or not act.hist_bins else buffers.hist[:, :n].cpu(),
-        "order": torch.empty(0, dtype=torch.int64) if empty else buffers.order[:, :, :n].cpu(),
+        "state": held(buffers.state, 2),
+        "hist": held(buffers.hist, 1),
+        "order": held(buffers.order, 2),
     }
+
+
+def state_dict(
+    act: ActivationStats,
+    buffers: StatBuffers | None,
+    window: ColumnWindow,
+    position: dict[str, Any],
+) -> dict[str, Any]:
+    """The held columns and the position (`num_batches`, and what the recorder adds), as CPU
+    tensors and plain values."""
+    empty = {
+        "state": torch.empty(0),
+        "hist": torch.empty(0),
+        "order": torch.empty(0, dtype=torch.int64),
+    }
+    columns = empty if buffers is None else held_columns(buffers, window, act.num_batches)
+    return {"version": VERSION, **settings(act), **position, "batches": act.batches, **columns}
 
 
 def check(act: ActivationStats, saved: dict[str, Any]) -> None:
@@ -59,19 +78,22 @@ def check(act: ActivationStats, saved: dict[str, Any]) -> None:
             )
 
 
-def restore(saved: dict[str, Any], buffers: StatBuffers) -> None:
-    """Writes the saved columns into fresh buffers and puts the cursor after them."""
+def restore(saved: dict[str, Any], buffers: StatBuffers, window: ColumnWindow) -> None:
+    """Writes the saved columns into fresh buffers where `window` places them, and puts the
+    cursor after them."""
     n = saved["num_batches"]
     if n == 0:
         return
-    state = saved["state"].to(buffers.state.device)
-    buffers.state[:, :, :n].copy_(state)
+    device = buffers.state.device
+    columns = torch.tensor(window.columns(n), device=device)
+    state = saved["state"].to(device)
+    buffers.state.index_copy_(2, columns, state)
     stats, extra = finalise(state)
-    buffers.stats[:, :, :n].copy_(stats)
+    buffers.stats.index_copy_(2, columns, stats)
     if extra is not None:
-        buffers.extra[:, :, :n].copy_(extra)
+        buffers.extra.index_copy_(2, columns, extra)
     if buffers.hist_bins:
-        buffers.hist[:, :n].copy_(saved["hist"])
-    if "order" in saved:
-        buffers.order[:, :, :n].copy_(saved["order"])
-    buffers.cursor.fill_(n)
+        buffers.hist.index_copy_(1, columns, saved["hist"].to(device))
+    if "order" in saved and buffers.ordered:
+        buffers.order.index_copy_(2, columns, saved["order"].to(device))
+    buffers.cursor.fill_(window.column(n))

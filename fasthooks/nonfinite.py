@@ -108,13 +108,15 @@ def candidates(act: ActivationStats) -> list[tuple[tuple[int, int, int], NonFini
     the key that orders them: (batch, clock, rank)."""
     order = act.call_order
     found = []
-    reduced = act._rank_orders
+    reduced = act.rank_call_orders
     if reduced is None:
         sources: Iterable[tuple[torch.Tensor, int | None, int]] = [(order, None, 0)]
     else:
-        start = reduced.shape[3]
-        sources = [(ranked, rank, 0) for rank, ranked in enumerate(reduced)]
-        sources.append((order[:, :, start:], act._rank, start))
+        orders, this_rank = reduced
+        start = orders.shape[3]
+        sources = [(ranked, rank, 0) for rank, ranked in enumerate(orders)]
+        sources.append((order[:, :, start:], this_rank, start))
+    batch_ids = act.batches.tolist()
     names = act.module_names
     direction = "forward" if act.is_forward else "backward"
     for source, rank, offset in sources:
@@ -122,7 +124,7 @@ def candidates(act: ActivationStats) -> list[tuple[tuple[int, int, int], NonFini
         if hit is None:
             continue
         column, module, clock, count = hit
-        batch = act._batch_ids[offset + column]
+        batch = batch_ids[offset + column]
         where = NonFinite(batch, names[module], direction, None if count < 0 else count, rank)
         found.append(((batch, clock, -1 if rank is None else rank), where))
     return found
@@ -152,11 +154,11 @@ def first_nonfinite(*runs: ActivationStats) -> NonFinite | None:
 def report_for(act: ActivationStats, where: NonFinite) -> NonFiniteReport:
     """The report of a run's first non-finite call: where, and that module's last frames."""
     index = act.module_index(where.module)
-    column = act._batch_ids.index(where.batch)
+    column = act.batches.tolist().index(where.batch)
     start = max(0, column - REPORT_FRAMES + 1)
     frames = {"batch": act.batches[start : column + 1]}
     frames.update({name: v[start : column + 1] for name, v in act.layer_stats(index).items()})
-    module_type = type(act.resolve_modules()[index]).__name__
+    module_type = act.module_types[index]
     return NonFiniteReport(where, module_type, frames)
 
 

@@ -189,4 +189,4 @@ def color_dim(act: ActivationStats, module: int | str, path: str | Path | None =
 
 def _module_title(act: ActivationStats, module: int | str) -> str:
     index = act.module_index(module)
-    return f"{act.module_names[index]} ({type(act.modules[index]).__name__})"
+    return f"{act.module_names[index]} ({act.module_types[index]})"

@@ -23,6 +23,8 @@ from .moments import derived_extra
 from .nonfinite import NonFinite, NonFiniteWatch, first_nonfinite
 from .ops import backend_for_device, resolve_backend
 from .outputs import measured_tensor
+from .sink import ColumnDrain, check_sink
+from .window import ColumnWindow, check_window
 
 DEFAULT_CAPACITY = 64
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -88,6 +90,23 @@ def count_argument(value: Any, name: str, low: int) -> int:
     if count < low:
         raise ValueError(f"{name} must be an int >= {low}, got {count}")
     return count
+
+
+def module_position(names: list[str], module: int | str) -> int:
+    """The row of a module among `names`, given its qualified name or an index (negative too).
+
+    Examples:
+        >>> module_position(["0", "2"], "2"), module_position(["0", "2"], -2)
+        (1, 0)
+    """
+    if isinstance(module, str):
+        if module not in names:
+            raise KeyError(f"module {module!r} is not hooked; hooked modules: {names}")
+        return names.index(module)
+    index = count_argument(module, "module", -len(names))
+    if index >= len(names):
+        raise IndexError(f"module index {index} out of range for {len(names)} modules")
+    return index % len(names)
 
 
 def _check_extra(extra: Any) -> tuple[str, ...]:
@@ -198,6 +217,13 @@ class ActivationStats(HookCallback):
         do_remove: remove the hooks at `on_train_end` (default True).
         backend: "auto" (the fused operator when built, else "python"), "fused" or "python".
         expected_batches: columns allocated up front (default 64); more double the buffers.
+        window: keep only the newest N batches on the device, in N + 1 columns allocated once
+            (the open batch has one): memory flat over a run of any length. Default None: every
+            batch is kept. `num_batches` counts every recorded batch; reading shows those held.
+        sink: where each recorded column goes before the window overwrites it (and the rest at
+            `flush()`, `on_train_end` or the end of the `with` block): a folder (Parquet files,
+            read back with `fasthooks.load`; a new run replaces the folder's files of its kind)
+            or a callable taking each `SinkChunk`, called on a background thread.
         extra: names from "min", "max", "near_zero", "nonfinite", "kurtosis", "norm", "absmax".
         near_zero: the threshold of "near_zero" (default 0.05, fastai v2's).
         hist_bins: histogram bins, 0 (default) for none, at most 2048.
@@ -240,6 +266,8 @@ class ActivationStats(HookCallback):
         is_forward: bool = True,
         skip_frozen: bool = False,
         on_nonfinite: Any = None,
+        window: int | None = None,
+        sink: Any = None,
     ) -> None:
         super().__init__(model, modules, do_remove, is_forward)
         expected_batches = count_argument(expected_batches, "expected_batches", 1)
@@ -255,6 +283,10 @@ class ActivationStats(HookCallback):
         self.backend, self._accumulate = resolve_backend(backend)
         self._requested_backend = backend
         self.expected_batches = expected_batches
+        self.window = check_window(window)
+        self.sink = check_sink(sink)
+        self._window = ColumnWindow(self.window, expected_batches)
+        self._drain: ColumnDrain | None = None
         self.extra_names = _check_extra(extra)
         self.near_zero = float(near_zero)
         self.hist_bins, self.hist_min, self.hist_max = _check_hist(hist_bins, hist_range)
@@ -279,7 +311,7 @@ class ActivationStats(HookCallback):
     def _start_sampling(self) -> None:
         self._seen = 0  # training batches closed so far
         self._sampled = True  # whether the current training batch is recorded
-        self._batch_ids: list[int] = []
+        self._batch_ids = self._window.batch_ids()
 
     @staticmethod
     def _check_unique(modules: list[nn.Module]) -> dict[nn.Module, int]:
@@ -308,14 +340,14 @@ class ActivationStats(HookCallback):
         if backend_for_device(self.backend, self._requested_backend, device) != self.backend:
             self.backend, self._accumulate = resolve_backend("python")
         resume, self._resume = self._resume, None
-        capacity = self.expected_batches
-        if resume is not None:  # checked by load_state_dict
+        capacity = self._window.capacity
+        if resume is not None and self.window is None:  # checked by load_state_dict
             capacity = max(capacity, resume["num_batches"] + 1)
         buffers = StatBuffers(
             len(modules), capacity, device, bool(self.extra_names), self.hist_bins
         )
         if resume is not None:
-            checkpoint.restore(resume, buffers)
+            checkpoint.restore(resume, buffers, self._window)
         if device.type == "cuda":
             # Ready for the hooks on whichever stream they run.
             torch.cuda.current_stream(device).synchronize()
@@ -330,13 +362,56 @@ class ActivationStats(HookCallback):
         self._start_sampling()
         if resume is not None:
             self._num_batches, self._seen = resume["num_batches"], resume["seen"]
-            self._batch_ids = resume["batches"].tolist()
+            self._batch_ids.extend(resume["batches"].tolist())
             self._sampled = self._seen % self.every == 0
+        self._start_drain(resume)
+
+    def _start_drain(self, resume: dict[str, Any] | None) -> None:
+        """A drain to the sink, continuing after the batches a resumed run had sent."""
+        if self._drain is not None:
+            self._drain.close()
+        self._drain = None
+        if self.sink is None:
+            return
+        sent = resume.get("sink_sent", 0) if resume is not None else 0
+        through = resume.get("sink_through", -1) if resume is not None else -1
+        describe = {
+            "recorder": "ActivationStats",
+            "kinds": [self.kind],
+            "names": self.module_names,
+            "types": self.module_types,
+            "extra": list(self.extra_names),
+            "hist_bins": self.hist_bins,
+            "hist_range": [self.hist_min, self.hist_max],
+            "near_zero": self.near_zero,
+            "every": self.every,
+        }
+        self._drain = ColumnDrain(self.sink, self._window, describe, sent, through)
+
+    @property
+    def kind(self) -> str:
+        """ "forward" (outputs) or "backward" (output gradients): what a sink calls this run."""
+        return "forward" if self.is_forward else "backward"
+
+    @property
+    def module_types(self) -> list[str]:
+        """The class name of each hooked module, in column order."""
+        return [type(m).__name__ for m in self.resolve_modules()]
+
+    def flush(self) -> None:
+        """Send every recorded column not yet in the sink to it, and wait until it has them."""
+        if self._drain is not None and self._buffers is not None:
+            self._drain.flush({self.kind: self._buffers}, self._batch_ids, self._num_batches)
 
     def state_dict(self) -> dict[str, Any]:
         """The recorded statistics and sampling position, to save with a training checkpoint:
         CPU tensors and plain values only (`torch.load(..., weights_only=True)` reads it)."""
-        return checkpoint.state_dict(self, self._buffers)
+        position = {"num_batches": self._num_batches, "seen": self._seen}
+        if self._drain is not None:
+            self.flush()  # the sink then holds every batch the state does
+            position["sink_sent"] = self._num_batches
+            position["sink_through"] = self._batch_ids[-1] if self._batch_ids else -1
+        return checkpoint.state_dict(self, self._buffers, self._window, position)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the columns of a saved run at the next `on_train_begin` (the next `with act:`);
@@ -469,6 +544,7 @@ class ActivationStats(HookCallback):
         """Remove the hooks when `do_remove`; warn when statistics were never closed in a batch;
         report a non-finite batch not yet reported (`on_nonfinite`)."""
         super().on_train_end(**kwargs)
+        self.flush()
         if self._buffers is not None and not self._leaving_on_error:
             self._watch.poll(self, wait=True)
         if self._buffers is not None and self._num_batches == 0 and not self._leaving_on_error:
@@ -502,14 +578,15 @@ class ActivationStats(HookCallback):
         if self._sampled:
             self._batch_ids.append(self._seen)
             self._num_batches += 1
-            if self._num_batches == self._buffers.capacity:
-                self._buffers.grow()
+            if self._drain is not None:
+                self._drain.closed({self.kind: self._buffers}, self._batch_ids, self._num_batches)
+            if self._window.advance([self._buffers], self._num_batches):
                 self._args = self._buffers.op_args()
-            self._buffers.cursor.add_(1)
         self._seen += 1
         closed, self._sampled = self._sampled, self._seen % self.every == 0
         if closed:
-            self._watch.batch_closed(self, self._buffers.order, self._num_batches - 1)
+            column = self._window.column(self._num_batches - 1)
+            self._watch.batch_closed(self, self._buffers.order, column)
 
     def all_reduce(self, group: Any = None) -> None:
         """Merge every rank's recorded columns into statistics of the whole batch, on every rank.
@@ -526,17 +603,28 @@ class ActivationStats(HookCallback):
                 "all_reduce() called before any statistics were recorded: call it after the "
                 "training loop (or inside `with act:`)"
             )
+        if self.window is not None:
+            raise NotImplementedError(
+                "all_reduce() merges every recorded column, and a run with window= keeps only "
+                "the newest: record without window= to merge across ranks"
+            )
         self._rank_orders, self._rank = all_reduce(self, self._buffers, group)
         self._host = _host_copies()  # columns already copied to the host have changed
 
     @property
+    def rank_call_orders(self) -> tuple[torch.Tensor, int] | None:
+        """After `all_reduce`: every rank's call order `(ranks, 2, modules, batches)` and this
+        rank; else None."""
+        return None if self._rank_orders is None else (self._rank_orders, self._rank)
+
+    @property
     def num_batches(self) -> int:
-        """How many training batches have been recorded."""
+        """How many training batches have been recorded (with `window`, more than are held)."""
         return self._num_batches
 
     @property
     def batches(self) -> torch.Tensor:
-        """int64 `(batches,)`: for each column, the 0-based index of its training batch."""
+        """int64 `(batches,)`: for each column held, the 0-based index of its training batch."""
         return torch.tensor(self._batch_ids, dtype=torch.int64)
 
     @property
@@ -549,15 +637,7 @@ class ActivationStats(HookCallback):
 
     def module_index(self, module: int | str) -> int:
         """The column of a hooked module, given its qualified name or an index (negative too)."""
-        names = self.module_names
-        if isinstance(module, str):
-            if module not in names:
-                raise KeyError(f"module {module!r} is not hooked; hooked modules: {names}")
-            return names.index(module)
-        index = count_argument(module, "module", -len(names))
-        if index >= len(names):
-            raise IndexError(f"module index {index} out of range for {len(names)} modules")
-        return index % len(names)
+        return module_position(self.module_names, module)
 
     def layer_stats(self, module: int | str) -> dict[str, torch.Tensor]:
         """Every recorded statistic of one module, by column index or qualified name:
@@ -623,12 +703,9 @@ class ActivationStats(HookCallback):
         )
 
     def _read(self, name: str, source: torch.Tensor) -> torch.Tensor:
-        """The recorded columns of a buffer on the CPU: a view there, else new columns copied."""
+        """The held columns of a buffer on the CPU, oldest first."""
         self._report_dropped()
-        copy = self._host[name]
-        if source.device.type == "cpu" and source.dtype == copy.dtype:
-            return source.narrow(copy.axis, 0, self._num_batches)
-        return copy.read(source, self._num_batches)
+        return self._window.read(self._host[name], source, self._num_batches)
 
     def _report_dropped(self) -> None:
         dropped = self._buffers.dropped_calls() if self._buffers is not None else 0

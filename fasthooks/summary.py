@@ -159,7 +159,7 @@ def summarize(act: ActivationStats, top: int, window: int) -> Summary:
 
     top = count_argument(top, "top", 1)
     window = count_argument(window, "window", 1)
-    names, order, batch_ids = act.module_names, act.call_order, act._batch_ids
+    names, order, batch_ids = act.module_names, act.call_order, act.batches.tolist()
     ranked = []
     for index, name in enumerate(names):
         stats = act.layer_stats(index)

@@ -1,0 +1,242 @@
+"""Where recorded columns go before a window overwrites them: a callable or a folder of Parquet
+files, fed by a background thread from host copies taken behind CUDA events, so that the
+training stream never waits and the training thread only enqueues copies."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .buffers import StatBuffers
+from .layout import COUNT, NONFINITE
+from .window import ColumnWindow
+
+# Chunks waiting for the writer thread at most: past this the training thread waits for it, so
+# host memory stays flat when the disk is slower than training.
+MAX_PENDING_CHUNKS = 8
+# Columns drained at once when every batch is kept on the device (window=None).
+UNWINDOWED_CHUNK = 64
+# The host dtype each buffer is read as (as `HostCopy` reads it).
+HOST_DTYPES = {
+    "stats": torch.float32,
+    "extra": torch.float32,
+    "nonfinite": torch.int64,
+    "state": torch.float64,
+    "hist": torch.int64,
+    "order": torch.int64,
+}
+
+
+class SinkChunk(NamedTuple):
+    """Recorded columns on their way out of the device, as a callable sink receives them.
+
+    `kind`: "forward" or "backward" (ActivationStats), or "weight", "grad", "update"
+    (ParameterStats); `names`: the modules or parameters (rows); `batches`: int64 `(k,)`, the
+    training batch (or optimizer step) of each column; `stats`: float32 `(2, rows, k)`, mean and
+    std; `extra`: each extra statistic `(rows, k)`; `count`: float64 `(rows, k)`, the elements
+    recorded; `hist`: int64 `(rows, k, bins)` or None; `order`: int64 `(2, rows, k)`, the call
+    order `first_nonfinite` reads, or None.
+    """
+
+    kind: str
+    names: list[str]
+    batches: torch.Tensor
+    stats: torch.Tensor
+    extra: dict[str, torch.Tensor]
+    count: torch.Tensor
+    hist: torch.Tensor | None
+    order: torch.Tensor | None
+
+
+def check_sink(sink: Any) -> str | Callable[[SinkChunk], Any] | None:
+    """`sink=` as given: None, a folder path (str or PathLike) or a callable."""
+    if sink is None or callable(sink):
+        return sink
+    if isinstance(sink, (str, os.PathLike)):
+        from .parquet import require_pyarrow
+
+        require_pyarrow()
+        return os.fspath(sink)
+    raise TypeError(
+        f"sink must be None, a folder path or a callable taking a SinkChunk, got "
+        f"{type(sink).__name__}"
+    )
+
+
+class _HostColumns:
+    """Host copies of some columns of every buffer, read as `read_extras` reads a StatBuffers."""
+
+    def __init__(self, copies: dict[str, torch.Tensor]) -> None:
+        self.state, self.stats, self.extra = copies["state"], copies["stats"], copies["extra"]
+        self.hist, self.order = copies["hist"], copies["order"]
+
+    def nonfinite(self) -> torch.Tensor:
+        return self.state[NONFINITE]
+
+
+def _copy_out(source: torch.Tensor, axis: int, start: int, length: int) -> torch.Tensor:
+    """Columns [start, start + length) of a buffer on the host: pinned and without blocking
+    from CUDA, so the copy is ordered on the stream and nothing waits for it."""
+    if source.numel() == 0:
+        return source.cpu()
+    columns = source.narrow(axis, start, length)
+    if source.device.type != "cuda":
+        return columns.to("cpu", copy=True)
+    host = torch.empty(columns.shape, dtype=columns.dtype, pin_memory=True)
+    host.copy_(columns, non_blocking=True)
+    return host
+
+
+class ColumnDrain:
+    """Sends each recorded kind's closed columns to a sink in chunks, before the window
+    reuses them; `flush()` sends the rest and waits for the writer.
+
+    `describe` holds what every chunk shares: "names", "extra" (the extra names to read),
+    "kinds" and the settings a Parquet file keeps for `fasthooks.load`.
+    """
+
+    def __init__(
+        self,
+        target: str | Callable[[SinkChunk], Any],
+        window: ColumnWindow,
+        describe: dict[str, Any],
+        drained: int = 0,
+        drained_through: int = -1,
+    ) -> None:
+        self.window, self.describe = window, describe
+        self.drained = drained
+        self.chunk = UNWINDOWED_CHUNK if window.size is None else max(1, window.size // 2)
+        self.writer = _Writer(target, describe, drained_through)
+
+    def closed(self, buffers: dict[str, StatBuffers], batch_ids: Any, closed: int) -> None:
+        """Called as the `closed`-th batch closes: drain once a chunk is waiting."""
+        self.writer.report()
+        if closed - self.drained >= self.chunk:
+            self._drain(buffers, batch_ids, closed)
+
+    def flush(self, buffers: dict[str, StatBuffers], batch_ids: Any, closed: int) -> None:
+        """Send every closed column not yet sent and wait until the sink has it."""
+        if closed > self.drained:
+            self._drain(buffers, batch_ids, closed)
+        self.writer.wait()
+        self.writer.report()
+
+    def _drain(self, buffers: dict[str, StatBuffers], batch_ids: Any, closed: int) -> None:
+        ids = list(batch_ids)[len(batch_ids) - (closed - self.drained) :]
+        first = self.drained
+        while first < closed:  # one contiguous run of columns at a time
+            start = self.window.column(first)
+            length = min(closed - first, buffers[next(iter(buffers))].capacity - start)
+            chunk_ids = torch.tensor(ids[first - self.drained : first - self.drained + length])
+            for kind, b in buffers.items():
+                copies = {
+                    "state": _copy_out(b.state, 2, start, length),
+                    "stats": _copy_out(b.stats, 2, start, length),
+                    "extra": _copy_out(b.extra, 2, start, length),
+                    "hist": _copy_out(b.hist, 1, start, length),
+                    "order": _copy_out(b.order, 2, start, length),
+                }
+                event = None
+                if b.state.device.type == "cuda":
+                    event = torch.cuda.Event()
+                    event.record()
+                self.writer.put((kind, chunk_ids, copies, event))
+            first += length
+        self.drained = closed
+
+    def close(self) -> None:
+        self.writer.stop()
+
+
+class _Writer:
+    """The background thread that turns host copies into chunks and hands them to the sink.
+    A failing sink is reported once (by `report()`, on the training thread) and never stops
+    training; later chunks are still tried."""
+
+    def __init__(
+        self, target: str | Callable[[SinkChunk], Any], describe: dict[str, Any], through: int
+    ) -> None:
+        self.target, self.describe, self.through = target, describe, through
+        self.queue: queue.Queue = queue.Queue(MAX_PENDING_CHUNKS)
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.reported = False
+
+    def put(self, item: tuple) -> None:
+        if self.thread is None:
+            if isinstance(self.target, str):
+                from .parquet import prepare_folder
+
+                try:
+                    prepare_folder(self.target, self.describe, self.through)
+                except OSError as error:
+                    self.error = self.error or error
+            self.thread = threading.Thread(target=self._run, name="fasthooks-sink", daemon=True)
+            self.thread.start()
+        self.queue.put(item)
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception as error:  # a sink's failure must not end training
+                self.error = self.error or error
+            finally:
+                self.queue.task_done()
+
+    def _write(self, kind: str, batches: torch.Tensor, copies: dict, event: Any) -> None:
+        from .stats import read_extras
+
+        if event is not None:
+            event.synchronize()
+        columns = _HostColumns(copies)
+        extra = read_extras(
+            self.describe["extra"], lambda name, t: t.to(HOST_DTYPES[name]), columns
+        )
+        chunk = SinkChunk(
+            kind,
+            self.describe["names"],
+            batches,
+            columns.stats,
+            extra,
+            columns.state[COUNT],
+            columns.hist if columns.hist.numel() else None,
+            columns.order if columns.order.numel() else None,
+        )
+        if callable(self.target):
+            self.target(chunk)
+        else:
+            from .parquet import write_chunk
+
+            write_chunk(self.target, chunk, self.describe)
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.queue.join()
+
+    def report(self) -> None:
+        """Warn once, on the calling thread, when the sink has failed."""
+        if self.error is not None and not self.reported:
+            self.reported = True
+            where = self.target if isinstance(self.target, str) else repr(self.target)
+            warnings.warn(
+                f"fasthooks: the sink {where} failed ({type(self.error).__name__}: {self.error}); "
+                "recording goes on in the window, and later columns are still sent to it",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join()
+            self.thread = None
