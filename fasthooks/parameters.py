@@ -14,7 +14,16 @@ from . import checkpoint
 from .buffers import HostCopy, StatBuffers
 from .layout import COUNT, DERIVED_EXTRAS, M2, MEAN
 from .ops import backend_for_device, resolve_backend, resolve_list_backend
-from .stats import _check_extra, _check_hist, _uncompiled_name, count_argument, read_extras
+from .sink import ColumnDrain, check_sink
+from .stats import (
+    _check_extra,
+    _check_hist,
+    _uncompiled_name,
+    count_argument,
+    module_position,
+    read_extras,
+)
+from .window import ColumnWindow, check_window
 
 KINDS = ("weight", "grad", "update")
 VERSION = 1
@@ -113,6 +122,9 @@ class ParameterStats:
         hist_range: the histogram's (lo, hi), as for `ActivationStats`.
         backend: "auto", "fused" or "python", as for `ActivationStats`.
         expected_steps: columns allocated up front (default 64); more double the buffers.
+        window: keep only the newest N steps on the device, as for `ActivationStats`.
+        sink: where each recorded column goes, as for `ActivationStats` (one kind per
+            "weight", "grad", "update"; `fasthooks.load(folder, kind="grad")` reads one back).
 
     Examples:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -139,6 +151,8 @@ class ParameterStats:
         expected_steps: int = 64,
         backend: str = "auto",
         near_zero: float = 0.05,
+        window: int | None = None,
+        sink: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -150,6 +164,10 @@ class ParameterStats:
         self.kinds = _check_kinds(of)
         self.every = count_argument(every, "every", 1)
         self.expected_steps = count_argument(expected_steps, "expected_steps", 1)
+        self.window = check_window(window)
+        self.sink = check_sink(sink)
+        self._window = ColumnWindow(self.window, self.expected_steps)
+        self._drain: ColumnDrain | None = None
         self.extra_names = tuple(dict.fromkeys((*DERIVED_EXTRAS, *_check_extra(extra))).keys())
         self.hist_bins, self.hist_min, self.hist_max = _check_hist(hist_bins, hist_range)
         if isinstance(near_zero, bool) or not isinstance(near_zero, (int, float)):
@@ -166,7 +184,7 @@ class ParameterStats:
     def _start(self) -> None:
         self._num_steps = 0
         self._step_count = 0  # optimizer steps seen
-        self._step_ids: list[int] = []
+        self._step_ids = self._window.batch_ids()
         self._recording = False
         self._host = {kind: _host_copies() for kind in self.kinds}
         self._host_before = HostCopy(2, torch.float64)
@@ -186,8 +204,8 @@ class ParameterStats:
         self.stop()
         self._start()
         resume, self._resume = self._resume, None
-        capacity = self.expected_steps
-        if resume is not None:
+        capacity = self._window.capacity
+        if resume is not None and self.window is None:
             capacity = max(capacity, resume["num_steps"] + 1)
         device = self._params[0].device if self._params else torch.device("cpu")
         requested, resolved = self._backend
@@ -209,22 +227,49 @@ class ParameterStats:
         if resume is not None:
             for kind in self.kinds:
                 saved = {"num_batches": resume["num_steps"], **resume["buffers"][kind]}
-                checkpoint.restore(saved, self._buffers[kind])
+                checkpoint.restore(saved, self._buffers[kind], self._window)
             if "update" in self.kinds:
                 saved = {"num_batches": resume["num_steps"], "state": resume["before"]}
-                checkpoint.restore(saved, self._before)
+                checkpoint.restore(saved, self._before, self._window)
             self._num_steps, self._step_count = resume["num_steps"], resume["step_count"]
-            self._step_ids = resume["steps"].tolist()
+            self._step_ids.extend(resume["steps"].tolist())
+        if self._drain is not None:
+            self._drain.close()
+            self._drain = None
+        if self.sink is not None:
+            describe = {
+                "recorder": "ParameterStats",
+                "kinds": list(self.kinds),
+                "names": list(self.param_names),
+                "types": [type(p).__name__ for p in self._params],
+                "extra": list(self.extra_names),
+                "hist_bins": self.hist_bins,
+                "hist_range": [self.hist_min, self.hist_max],
+                "near_zero": self.near_zero,
+                "every": self.every,
+            }
+            sent = resume.get("sink_sent", 0) if resume is not None else 0
+            through = resume.get("sink_through", -1) if resume is not None else -1
+            self._drain = ColumnDrain(self.sink, self._window, describe, sent, through)
         self._handles = [
             self.optimizer.register_step_pre_hook(self._before_step),
             self.optimizer.register_step_post_hook(self._after_step),
         ]
 
     def stop(self) -> None:
-        """Remove the step hooks; the statistics stay readable."""
+        """Remove the step hooks and send the sink what it lacks; the statistics stay
+        readable."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.flush()
+        if self._drain is not None:
+            self._drain.close()  # its thread; a later flush starts it again
+
+    def flush(self) -> None:
+        """Send every recorded column not yet in the sink to it, and wait until it has them."""
+        if self._drain is not None:
+            self._drain.flush(self._buffers, self._step_ids, self._num_steps)
 
     # Recording ------------------------------------------------------------------------------
 
@@ -260,27 +305,23 @@ class ParameterStats:
     def _close_column(self) -> None:
         self._step_ids.append(self._step_count)
         self._num_steps += 1
-        for b in self._all_buffers():
-            if self._num_steps == b.capacity:
-                b.grow()
-            b.cursor.add_(1)
+        if self._drain is not None:
+            self._drain.closed(self._buffers, self._step_ids, self._num_steps)
+        self._window.advance(self._all_buffers(), self._num_steps)
 
     # Reading --------------------------------------------------------------------------------
 
     def _read(self, kind: str, name: str, source: torch.Tensor) -> torch.Tensor:
-        copy = self._host[kind][name]
-        if source.device.type == "cpu" and source.dtype == copy.dtype:
-            return source.narrow(copy.axis, 0, self._num_steps)
-        return copy.read(source, self._num_steps)
+        return self._window.read(self._host[kind][name], source, self._num_steps)
 
     @property
     def num_steps(self) -> int:
-        """How many optimizer steps have been recorded."""
+        """How many optimizer steps have been recorded (with `window`, more than are held)."""
         return self._num_steps
 
     @property
     def steps(self) -> torch.Tensor:
-        """int64 `(steps,)`: for each column, the 0-based index of its optimizer step."""
+        """int64 `(steps,)`: for each column held, the 0-based index of its optimizer step."""
         return torch.tensor(self._step_ids, dtype=torch.int64)
 
     @property
@@ -312,7 +353,7 @@ class ParameterStats:
         (the learning-rate diagnostic; around 1e-3 is the usual rule of thumb)."""
         if "update" not in self.kinds:
             raise AttributeError('update_ratio needs "update" among the kinds recorded (of=)')
-        state = self._host_before.read(self._before.state, self._num_steps)
+        state = self._window.read(self._host_before, self._before.state, self._num_steps)
         before = (state[M2] + state[COUNT] * state[MEAN] * state[MEAN]).sqrt()
         return (self.extra["update"]["norm"].double() / before).float()
 
@@ -327,14 +368,7 @@ class ParameterStats:
 
     def param_index(self, param: int | str) -> int:
         """The row of a parameter, given its qualified name or an index (negative too)."""
-        if isinstance(param, str):
-            if param not in self.param_names:
-                raise KeyError(f"parameter {param!r} is not recorded; see ps.param_names")
-            return self.param_names.index(param)
-        index = count_argument(param, "param", -len(self.param_names))
-        if index >= len(self.param_names):
-            raise IndexError(f"parameter index {index} out of range for {len(self.param_names)}")
-        return index % len(self.param_names)
+        return module_position(self.param_names, param)
 
     def layer_stats(self, param: int | str) -> dict[str, dict[str, torch.Tensor]]:
         """Every recorded statistic of one parameter, per kind: `(steps,)` CPU tensors "mean",
@@ -383,19 +417,21 @@ class ParameterStats:
             "hist_bins": self.hist_bins,
             "hist_range": [self.hist_min, self.hist_max],
             "every": self.every,
+            "window": self.window,
         }
 
     def state_dict(self) -> dict[str, Any]:
         """The recorded columns and position, as CPU tensors and plain values, to save with a
         training checkpoint (`torch.load(..., weights_only=True)` reads it)."""
         n = self._num_steps
-        buffers = {
-            kind: {
-                "state": b.state[:, :, :n].cpu(),
-                "hist": b.hist[:, :n].cpu() if self.hist_bins else torch.empty(0),
-            }
-            for kind, b in self._buffers.items()
-        }
+        buffers = {}
+        for kind, b in self._buffers.items():
+            held = checkpoint.held_columns(b, self._window, n)
+            buffers[kind] = {"state": held["state"], "hist": held["hist"]}
+        position = {}
+        if self._drain is not None:
+            self.flush()  # the sink then holds every step the state does
+            position = {"sink_sent": n, "sink_through": self._step_ids[-1] if n else -1}
         return {
             "version": VERSION,
             **self._settings(),
@@ -403,9 +439,10 @@ class ParameterStats:
             "step_count": self._step_count,
             "steps": self.steps,
             "buffers": buffers,
-            "before": self._before.state[:, :, :n].cpu()
+            "before": checkpoint.held_columns(self._before, self._window, n)["state"]
             if self._buffers and "update" in self.kinds
             else torch.empty(0),
+            **position,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

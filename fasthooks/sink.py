@@ -167,16 +167,18 @@ class _Writer:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.reported = False
+        self.prepared = False
 
     def put(self, item: tuple) -> None:
-        if self.thread is None:
-            if isinstance(self.target, str):
-                from .parquet import prepare_folder
+        if not self.prepared and isinstance(self.target, str):
+            from .parquet import prepare_folder
 
-                try:
-                    prepare_folder(self.target, self.describe, self.through)
-                except OSError as error:
-                    self.error = self.error or error
+            self.prepared = True
+            try:
+                prepare_folder(self.target, self.describe, self.through)
+            except OSError as error:
+                self.error = self.error or error
+        if self.thread is None:
             self.thread = threading.Thread(target=self._run, name="fasthooks-sink", daemon=True)
             self.thread.start()
         self.queue.put(item)

@@ -545,6 +545,8 @@ class ActivationStats(HookCallback):
         report a non-finite batch not yet reported (`on_nonfinite`)."""
         super().on_train_end(**kwargs)
         self.flush()
+        if self._drain is not None:
+            self._drain.close()  # its thread; a later flush starts it again
         if self._buffers is not None and not self._leaving_on_error:
             self._watch.poll(self, wait=True)
         if self._buffers is not None and self._num_batches == 0 and not self._leaving_on_error:

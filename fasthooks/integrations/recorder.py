@@ -5,6 +5,7 @@ removed at its end or on an error, and a fit stopped cleanly by `on_nonfinite="r
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 from torch import nn
@@ -75,7 +76,15 @@ class FitRecorder:
         if act is None:
             return
         if dist.is_available() and dist.is_initialized():
-            act.all_reduce()
+            if act.window is None:
+                act.all_reduce()
+            else:
+                warnings.warn(
+                    "ActivationStats with window= is not merged across ranks at the end of the "
+                    "fit: each rank keeps (and sends its sink) the statistics of its own shard",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         act.on_train_end()
         error, self.stopped_by = self.stopped_by, None
         if error is not None:
