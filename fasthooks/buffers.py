@@ -10,12 +10,11 @@ from __future__ import annotations
 import torch
 
 from .layout import (
+    BUFFERS,
     CUDA_DROPPED_CALLS,
     CUDA_WORKSPACE_DOUBLES,
-    EXTRA_PLANES,
     NONFINITE,
-    ORDER_PLANES,
-    state_planes,
+    buffer_shape,
 )
 
 _clocks: dict[torch.device, torch.Tensor] = {}
@@ -39,14 +38,21 @@ def call_clock(device: torch.device | str) -> torch.Tensor:
 
 
 class StatBuffers:
-    """Every buffer the operator writes for `num_modules` modules and `capacity` batch columns;
-    with `ordered=False` no call order (`accumulate_stats_list`, which keeps none).
+    """Every buffer the operator writes for `num_modules` modules and `capacity` batch columns,
+    as `layout.BUFFERS` declares them; with `ordered=False` no call order
+    (`accumulate_stats_list`, which keeps none).
 
     Examples:
         >>> b = StatBuffers(3, 8, "cpu", full=True, hist_bins=40)
-        >>> [tuple(t.shape) for t in (b.state, b.stats, b.extra, b.hist, b.order)]
+        >>> [tuple(t.shape) for t in b.columned().values()]
         [(9, 3, 8), (2, 3, 8), (4, 3, 8), (3, 8, 40), (2, 3, 8)]
     """
+
+    state: torch.Tensor
+    stats: torch.Tensor
+    extra: torch.Tensor
+    hist: torch.Tensor
+    order: torch.Tensor
 
     def __init__(
         self,
@@ -59,36 +65,30 @@ class StatBuffers:
     ) -> None:
         device = torch.device(device)
         self.full, self.hist_bins, self.ordered = full, hist_bins, ordered
+        self.num_modules = num_modules
         # Buffers made under torch.inference_mode could not be updated once training resumes.
         with torch.inference_mode(False):
-            self._create(num_modules, capacity, device)
+            self.cursor = torch.zeros((), dtype=torch.int64, device=device)
+            # Partial results of the CUDA kernels; the zeroed counter is reset by the kernel.
+            self.workspace = torch.zeros(
+                CUDA_WORKSPACE_DOUBLES if device.type == "cuda" else 0,
+                dtype=torch.float64,
+                device=device,
+            )
+            self.clock = call_clock(device)
+            self._allocate(capacity, device)
 
-    def _create(self, num_modules: int, capacity: int, device: torch.device) -> None:
-        self.cursor = torch.zeros((), dtype=torch.int64, device=device)
-        # Partial results of the CUDA kernels; the zeroed counter is reset by the kernel itself.
-        self.workspace = torch.zeros(
-            CUDA_WORKSPACE_DOUBLES if device.type == "cuda" else 0,
-            dtype=torch.float64,
-            device=device,
-        )
-        self.clock = call_clock(device)
-        self._allocate(num_modules, capacity, device)
+    def _allocate(self, capacity: int, device: torch.device) -> None:
+        for spec in BUFFERS:
+            shape = buffer_shape(
+                spec.name, self.num_modules, capacity, self.full, self.hist_bins, self.ordered
+            )
+            setattr(self, spec.name, torch.full(shape, spec.fill, dtype=spec.dtype, device=device))
+        self.capacity = capacity
 
-    def _allocate(self, num_modules: int, capacity: int, device: torch.device) -> None:
-        self.state = torch.zeros(
-            state_planes(self.full), num_modules, capacity, dtype=torch.float64, device=device
-        )
-        self.stats = torch.full((2, num_modules, capacity), float("nan"), device=device)
-        extra_shape = (len(EXTRA_PLANES), num_modules, capacity) if self.full else (0,)
-        self.extra = torch.full(extra_shape, float("nan"), device=device)
-        hist_shape = (num_modules, capacity, self.hist_bins) if self.hist_bins else (0,)
-        self.hist = torch.zeros(hist_shape, dtype=torch.int64, device=device)
-        order_shape = (len(ORDER_PLANES), num_modules, capacity) if self.ordered else (0,)
-        self.order = torch.zeros(order_shape, dtype=torch.int64, device=device)
-
-    @property
-    def capacity(self) -> int:
-        return self.state.shape[2]
+    def columned(self) -> dict[str, torch.Tensor]:
+        """Every buffer by name, in `layout.BUFFERS` order."""
+        return {spec.name: getattr(self, spec.name) for spec in BUFFERS}
 
     def op_args(self) -> tuple[torch.Tensor, ...]:
         """(state, stats, extra, hist, workspace, order, clock, cursor): `accumulate_stats`'s
@@ -109,42 +109,33 @@ class StatBuffers:
         no call order."""
         return self.state, self.stats, self.extra, self.hist, self.workspace, self.cursor
 
-    def _columned(self) -> tuple[torch.Tensor, ...]:
-        return self.state, self.stats, self.extra, self.hist, self.order
-
     def grow(self) -> None:
         """Double the capacity, keeping every column."""
-        old = self._columned()
-        capacity = self.capacity
+        old, capacity = self.columned(), self.capacity
         with torch.inference_mode(False):
-            self._allocate(self.state.shape[1], 2 * capacity, self.state.device)
-        for new, previous, axis in zip(self._columned(), old, (2, 2, 2, 1, 2), strict=True):
-            if previous.numel() > 0:
-                new.narrow(axis, 0, capacity).copy_(previous)
+            self._allocate(2 * capacity, self.state.device)
+        for spec in BUFFERS:
+            if old[spec.name].numel() > 0:
+                getattr(self, spec.name).narrow(spec.axis, 0, capacity).copy_(old[spec.name])
 
     def moved_to(self, device: torch.device | str) -> StatBuffers:
         """The same buffers, cursor and columns on another device (the call clock is that
         device's own)."""
         moved = StatBuffers(
-            self.state.shape[1], self.capacity, device, self.full, self.hist_bins, self.ordered
+            self.num_modules, self.capacity, device, self.full, self.hist_bins, self.ordered
         )
-        for new, old in zip(
-            (moved.cursor, *moved._columned()), (self.cursor, *self._columned()), strict=True
-        ):
-            new.copy_(old)
+        moved.cursor.copy_(self.cursor)
+        for name, tensor in self.columned().items():
+            getattr(moved, name).copy_(tensor)
         return moved
 
     def clear_column(self) -> None:
         """Forget every module's statistics at the cursor's column."""
         column = self.cursor.reshape(1)
-        self.state.index_fill_(2, column, 0.0)
-        self.stats.index_fill_(2, column, float("nan"))
-        if self.full:
-            self.extra.index_fill_(2, column, float("nan"))
-        if self.hist_bins:
-            self.hist.index_fill_(1, column, 0)
-        if self.ordered:
-            self.order.index_fill_(2, column, 0)
+        for spec in BUFFERS:
+            tensor = getattr(self, spec.name)
+            if tensor.numel() > 0:
+                tensor.index_fill_(spec.axis, column, spec.fill)
 
     def dropped_calls(self) -> int:
         """How many calls the CUDA kernels dropped because the cursor was past the capacity (a
@@ -156,6 +147,13 @@ class StatBuffers:
     def nonfinite(self) -> torch.Tensor:
         """The exact float64 count of NaN and infinite elements per slot, `(modules, capacity)`."""
         return self.state[NONFINITE]
+
+
+def host_copies() -> dict[str, HostCopy]:
+    """Empty host copies of every buffer reading may copy from a device, and of the non-finite
+    counts read as int64."""
+    copies = {spec.name: HostCopy(spec.axis, spec.dtype) for spec in BUFFERS}
+    return {**copies, "nonfinite": HostCopy(1, torch.int64)}
 
 
 class HostCopy:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .buffers import HostCopy, StatBuffers
+from .layout import BUFFERS, SAVED_BUFFERS
 from .moments import finalise
 from .window import ColumnWindow
 
@@ -32,19 +33,17 @@ def settings(act: ActivationStats) -> dict[str, Any]:
 
 
 def held_columns(buffers: StatBuffers, window: ColumnWindow, n: int) -> dict[str, torch.Tensor]:
-    """CPU copies of the columns the buffers hold after `n` recorded batches, oldest first:
-    the merge state, histogram and call order."""
-
-    def held(source: torch.Tensor, axis: int) -> torch.Tensor:
+    """CPU copies of the saved buffers' columns held after `n` recorded batches, oldest first."""
+    held = {}
+    for spec in BUFFERS:
+        source = getattr(buffers, spec.name)
+        if spec.name not in SAVED_BUFFERS:
+            continue
         if source.numel() == 0:
-            return torch.empty(0, dtype=source.dtype)
-        return window.read(HostCopy(axis, source.dtype), source, n).clone()
-
-    return {
-        "state": held(buffers.state, 2),
-        "hist": held(buffers.hist, 1),
-        "order": held(buffers.order, 2),
-    }
+            held[spec.name] = torch.empty(0, dtype=source.dtype)
+        else:
+            held[spec.name] = window.read(HostCopy(spec.axis, spec.dtype), source, n).clone()
+    return held
 
 
 def state_dict(
@@ -86,14 +85,11 @@ def restore(saved: dict[str, Any], buffers: StatBuffers, window: ColumnWindow) -
         return
     device = buffers.state.device
     columns = torch.tensor(window.columns(n), device=device)
-    state = saved["state"].to(device)
-    buffers.state.index_copy_(2, columns, state)
-    stats, extra = finalise(state)
-    buffers.stats.index_copy_(2, columns, stats)
-    if extra is not None:
-        buffers.extra.index_copy_(2, columns, extra)
-    if buffers.hist_bins:
-        buffers.hist.index_copy_(1, columns, saved["hist"].to(device))
-    if "order" in saved and buffers.ordered:
-        buffers.order.index_copy_(2, columns, saved["order"].to(device))
+    stats, extra = finalise(saved["state"].to(device))
+    values = {**saved, "stats": stats, "extra": extra}
+    for spec in BUFFERS:
+        target = getattr(buffers, spec.name)
+        # Version 1 kept no call order: its batches resume with none noted.
+        if target.numel() > 0 and values.get(spec.name) is not None:
+            target.index_copy_(spec.axis, columns, values[spec.name].to(device))
     buffers.cursor.fill_(window.column(n))

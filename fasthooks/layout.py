@@ -21,6 +21,10 @@ reports it and a test compares the two.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
+
 EXTRAS = ("min", "max", "near_zero", "nonfinite", "kurtosis", "norm", "absmax")
 # Extras read from the merge state rather than a finalised plane: the L2 norm and the largest
 # magnitude.
@@ -47,6 +51,51 @@ CUDA_WORKSPACE_DOUBLES = (
 CUDA_DROPPED_CALLS = CUDA_WORKSPACE_DOUBLES - 1
 
 COUNT, MEAN, M2, M3, M4, MIN, MAX, NEAR_ZERO, NONFINITE = range(len(STATE_PLANES))
+
+
+class BufferSpec(NamedTuple):
+    """One buffer of a run: its name, dtype, column axis, the value of an empty column, and how
+    ranks merge it ("moments": the pairwise rule; "finalised": computed again from the merged
+    state; "sum"; "gathered": every rank's kept apart)."""
+
+    name: str
+    dtype: torch.dtype
+    axis: int
+    fill: float
+    merge: str
+
+
+# Every buffer a run owns, in the operator's argument order: allocation, growth, clearing a
+# column, moving, host copies, checkpoints and sinks are loops over this table.
+BUFFERS = (
+    BufferSpec("state", torch.float64, 2, 0.0, "moments"),
+    BufferSpec("stats", torch.float32, 2, float("nan"), "finalised"),
+    BufferSpec("extra", torch.float32, 2, float("nan"), "finalised"),
+    BufferSpec("hist", torch.int64, 1, 0, "sum"),
+    BufferSpec("order", torch.int64, 2, 0, "gathered"),
+)
+# A checkpoint keeps these; the finalised ones are computed again from the state.
+SAVED_BUFFERS = tuple(spec.name for spec in BUFFERS if spec.merge != "finalised")
+
+
+def buffer_shape(
+    name: str, modules: int, columns: int, full: bool, hist_bins: int, ordered: bool
+) -> tuple[int, ...]:
+    """The shape of one buffer; `(0,)` for one the run does not keep.
+
+    Examples:
+        >>> buffer_shape("hist", 3, 8, True, 40, True), buffer_shape("extra", 3, 8, False, 0, True)
+        ((3, 8, 40), (0,))
+    """
+    planes = {
+        "state": state_planes(full),
+        "stats": len(STATS_PLANES),
+        "extra": len(EXTRA_PLANES) if full else 0,
+        "order": len(ORDER_PLANES) if ordered else 0,
+    }
+    if name == "hist":
+        return (modules, columns, hist_bins) if hist_bins else (0,)
+    return (planes[name], modules, columns) if planes[name] else (0,)
 
 
 def state_planes(full: bool) -> int:

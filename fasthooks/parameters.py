@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import checkpoint
-from .buffers import HostCopy, StatBuffers
+from .buffers import HostCopy, StatBuffers, host_copies
 from .layout import COUNT, DERIVED_EXTRAS, M2, MEAN
 from .ops import backend_for_device, resolve_backend, resolve_list_backend
 from .sink import ColumnDrain, check_sink
@@ -27,16 +27,6 @@ from .window import ColumnWindow, check_window
 
 KINDS = ("weight", "grad", "update")
 VERSION = 1
-
-
-def _host_copies() -> dict[str, HostCopy]:
-    return {
-        "stats": HostCopy(2, torch.float32),
-        "extra": HostCopy(2, torch.float32),
-        "nonfinite": HostCopy(1, torch.int64),
-        "state": HostCopy(2, torch.float64),
-        "hist": HostCopy(1, torch.int64),
-    }
 
 
 def _check_kinds(of: Any) -> tuple[str, ...]:
@@ -186,7 +176,7 @@ class ParameterStats:
         self._step_count = 0  # optimizer steps seen
         self._step_ids = self._window.batch_ids()
         self._recording = False
-        self._host = {kind: _host_copies() for kind in self.kinds}
+        self._host = {kind: host_copies() for kind in self.kinds}
         self._host_before = HostCopy(2, torch.float64)
 
     # Lifecycle ------------------------------------------------------------------------------

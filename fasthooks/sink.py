@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .buffers import StatBuffers
-from .layout import COUNT, NONFINITE
+from .buffers import StatBuffers, host_copies
+from .layout import BUFFERS, COUNT, NONFINITE
 from .window import ColumnWindow
 
 # Chunks waiting for the writer thread at most: past this the training thread waits for it, so
@@ -23,14 +23,7 @@ MAX_PENDING_CHUNKS = 8
 # Columns drained at once when every batch is kept on the device (window=None).
 UNWINDOWED_CHUNK = 64
 # The host dtype each buffer is read as (as `HostCopy` reads it).
-HOST_DTYPES = {
-    "stats": torch.float32,
-    "extra": torch.float32,
-    "nonfinite": torch.int64,
-    "state": torch.float64,
-    "hist": torch.int64,
-    "order": torch.int64,
-}
+HOST_DTYPES = {name: copy.dtype for name, copy in host_copies().items()}
 
 
 class SinkChunk(NamedTuple):
@@ -73,8 +66,8 @@ class _HostColumns:
     """Host copies of some columns of every buffer, read as `read_extras` reads a StatBuffers."""
 
     def __init__(self, copies: dict[str, torch.Tensor]) -> None:
-        self.state, self.stats, self.extra = copies["state"], copies["stats"], copies["extra"]
-        self.hist, self.order = copies["hist"], copies["order"]
+        for name, tensor in copies.items():
+            setattr(self, name, tensor)
 
     def nonfinite(self) -> torch.Tensor:
         return self.state[NONFINITE]
@@ -136,11 +129,8 @@ class ColumnDrain:
             chunk_ids = torch.tensor(ids[first - self.drained : first - self.drained + length])
             for kind, b in buffers.items():
                 copies = {
-                    "state": _copy_out(b.state, 2, start, length),
-                    "stats": _copy_out(b.stats, 2, start, length),
-                    "extra": _copy_out(b.extra, 2, start, length),
-                    "hist": _copy_out(b.hist, 1, start, length),
-                    "order": _copy_out(b.order, 2, start, length),
+                    spec.name: _copy_out(getattr(b, spec.name), spec.axis, start, length)
+                    for spec in BUFFERS
                 }
                 event = None
                 if b.state.device.type == "cuda":

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import checkpoint
-from .buffers import HostCopy, StatBuffers
+from .buffers import StatBuffers, host_copies
 from .distributed import all_reduce
 from .hook import HookCallback
 from .layout import COUNT, DERIVED_EXTRAS, EXTRA_PLANES, EXTRAS, MAX_HIST_BINS
@@ -156,18 +156,6 @@ def read_extras(names: Iterable[str], read: Any, buffers: StatBuffers) -> dict[s
     return out
 
 
-def _host_copies() -> dict[str, HostCopy]:
-    """Empty host copies of every buffer that reading may have to copy from a device."""
-    return {
-        "stats": HostCopy(2, torch.float32),
-        "extra": HostCopy(2, torch.float32),
-        "nonfinite": HostCopy(1, torch.int64),
-        "state": HostCopy(2, torch.float64),
-        "hist": HostCopy(1, torch.int64),
-        "order": HostCopy(2, torch.int64),
-    }
-
-
 class ActivationStats(HookCallback):
     """Records statistics of each hooked module's output for every training batch.
 
@@ -299,7 +287,7 @@ class ActivationStats(HookCallback):
         self._buffers: StatBuffers | None = None
         self._device_pending = False
         self._args: tuple[torch.Tensor, ...] = ()
-        self._host = _host_copies()
+        self._host = host_copies()
         self._num_batches = 0
         self._dropped_reported = 0
         self._resume: dict[str, Any] | None = None
@@ -354,7 +342,7 @@ class ActivationStats(HookCallback):
         super().on_train_begin(**kwargs)
         self._slots, self._buffers, self._args = slots, buffers, buffers.op_args()
         self._warned = set()
-        self._host = _host_copies()
+        self._host = host_copies()
         self._num_batches = 0
         self._dropped_reported = 0
         self._rank_orders, self._rank = None, None
@@ -497,7 +485,7 @@ class ActivationStats(HookCallback):
             self.backend, self._accumulate = resolve_backend("python")
         self._buffers = old.moved_to(device)
         self._args = self._buffers.op_args()
-        self._host = _host_copies()
+        self._host = host_copies()
 
     def _foreign(self, m: nn.Module) -> None:
         """A module this run did not hook called its hook: a copy of a hooked one."""
@@ -611,7 +599,7 @@ class ActivationStats(HookCallback):
                 "the newest: record without window= to merge across ranks"
             )
         self._rank_orders, self._rank = all_reduce(self, self._buffers, group)
-        self._host = _host_copies()  # columns already copied to the host have changed
+        self._host = host_copies()  # columns already copied to the host have changed
 
     @property
     def rank_call_orders(self) -> tuple[torch.Tensor, int] | None:
