@@ -11,19 +11,22 @@ import torch
 from torch import nn
 
 from . import checkpoint
+from .arguments import (
+    check_extra,
+    check_hist,
+    check_near_zero,
+    check_sink,
+    check_window,
+    count_argument,
+    module_position,
+    uncompiled_name,
+)
 from .buffers import HostCopy, StatBuffers, host_copies
 from .layout import COUNT, DERIVED_EXTRAS, M2, MEAN
 from .ops import backend_for_device, resolve_backend, resolve_list_backend
-from .sink import ColumnDrain, check_sink
-from .stats import (
-    _check_extra,
-    _check_hist,
-    _uncompiled_name,
-    count_argument,
-    module_position,
-    read_extras,
-)
-from .window import ColumnWindow, check_window
+from .sink import ColumnDrain
+from .stats import read_extras
+from .window import ColumnWindow
 
 KINDS = ("weight", "grad", "update")
 VERSION = 1
@@ -45,7 +48,7 @@ def _stepped_parameters(
     """(qualified names, parameters): those given, else every parameter of `model` that the
     optimizer steps, in `model.named_parameters()` order."""
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    named = [(_uncompiled_name(n), p) for n, p in model.named_parameters()]
+    named = [(uncompiled_name(n), p) for n, p in model.named_parameters()]
     if parameters is None:
         chosen = [(n, p) for n, p in named if id(p) in stepped]
     else:
@@ -158,11 +161,9 @@ class ParameterStats:
         self.sink = check_sink(sink)
         self._window = ColumnWindow(self.window, self.expected_steps)
         self._drain: ColumnDrain | None = None
-        self.extra_names = tuple(dict.fromkeys((*DERIVED_EXTRAS, *_check_extra(extra))).keys())
-        self.hist_bins, self.hist_min, self.hist_max = _check_hist(hist_bins, hist_range)
-        if isinstance(near_zero, bool) or not isinstance(near_zero, (int, float)):
-            raise TypeError(f"near_zero must be a number, got {type(near_zero).__name__}")
-        self.near_zero = float(near_zero)
+        self.extra_names = tuple(dict.fromkeys((*DERIVED_EXTRAS, *check_extra(extra))).keys())
+        self.hist_bins, self.hist_min, self.hist_max = check_hist(hist_bins, hist_range)
+        self.near_zero = check_near_zero(near_zero)
         self._accumulate = resolve_list_backend(backend)
         self._backend = (backend, resolve_backend(backend)[0])  # as asked for, and resolved
         self.param_names, self._params = _stepped_parameters(model, optimizer, parameters)

@@ -56,7 +56,7 @@ class Recording:
         return self._hist
 
     def module_index(self, module: int | str) -> int:
-        from .stats import module_position
+        from .arguments import module_position
 
         return module_position(self.module_names, module)
 

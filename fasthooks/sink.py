@@ -4,7 +4,6 @@ training stream never waits and the training thread only enqueues copies."""
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import warnings
@@ -45,21 +44,6 @@ class SinkChunk(NamedTuple):
     count: torch.Tensor
     hist: torch.Tensor | None
     order: torch.Tensor | None
-
-
-def check_sink(sink: Any) -> str | Callable[[SinkChunk], Any] | None:
-    """`sink=` as given: None, a folder path (str or PathLike) or a callable."""
-    if sink is None or callable(sink):
-        return sink
-    if isinstance(sink, (str, os.PathLike)):
-        from .parquet import require_pyarrow
-
-        require_pyarrow()
-        return os.fspath(sink)
-    raise TypeError(
-        f"sink must be None, a folder path or a callable taking a SinkChunk, got "
-        f"{type(sink).__name__}"
-    )
 
 
 class _HostColumns:

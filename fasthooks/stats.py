@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
-import numbers
-import operator
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,19 +12,28 @@ import torch
 from torch import nn
 
 from . import checkpoint
+from .arguments import (
+    check_extra,
+    check_hist,
+    check_near_zero,
+    check_sink,
+    check_window,
+    count_argument,
+    module_position,
+    uncompiled_name,
+)
 from .buffers import StatBuffers, host_copies
 from .distributed import all_reduce
 from .hook import HookCallback
-from .layout import COUNT, DERIVED_EXTRAS, EXTRA_PLANES, EXTRAS, MAX_HIST_BINS
+from .layout import COUNT, DERIVED_EXTRAS, EXTRA_PLANES
 from .moments import derived_extra
 from .nonfinite import NonFinite, NonFiniteWatch, first_nonfinite
 from .ops import backend_for_device, resolve_backend
 from .outputs import measured_tensor
-from .sink import ColumnDrain, check_sink
-from .window import ColumnWindow, check_window
+from .sink import ColumnDrain
+from .window import ColumnWindow
 
 DEFAULT_CAPACITY = 64
-FLOAT32_MAX = torch.finfo(torch.float32).max
 # What the operator and the Python backend raise on input they cannot measure.
 _MEASURE_ERRORS = (RuntimeError, TypeError, ValueError, NotImplementedError)
 
@@ -38,10 +44,6 @@ def _recomputing() -> bool:
     """Whether this forward runs inside a backward pass: activation checkpointing recomputing
     what it did not keep."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _uncompiled_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def _buffer_device(model: nn.Module, modules: list[nn.Module]) -> torch.device | None:
@@ -77,69 +79,6 @@ def _buffer_device(model: nn.Module, modules: list[nn.Module]) -> torch.device |
 
 class StatisticsError(RuntimeError):
     """Recording a module's statistics failed; the message names the module."""
-
-
-def count_argument(value: Any, name: str, low: int) -> int:
-    """An integer argument with `operator.index` semantics (bools refused), at least `low`."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        count = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if count < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {count}")
-    return count
-
-
-def module_position(names: list[str], module: int | str) -> int:
-    """The row of a module among `names`, given its qualified name or an index (negative too).
-
-    Examples:
-        >>> module_position(["0", "2"], "2"), module_position(["0", "2"], -2)
-        (1, 0)
-    """
-    if isinstance(module, str):
-        if module not in names:
-            raise KeyError(f"module {module!r} is not hooked; hooked modules: {names}")
-        return names.index(module)
-    index = count_argument(module, "module", -len(names))
-    if index >= len(names):
-        raise IndexError(f"module index {index} out of range for {len(names)} modules")
-    return index % len(names)
-
-
-def _check_extra(extra: Any) -> tuple[str, ...]:
-    names = (extra,) if isinstance(extra, str) else tuple(extra)
-    for name in names:
-        if name not in EXTRAS:
-            raise ValueError(f"extra: unknown statistic {name!r}; valid ones are {EXTRAS}")
-    return tuple(dict.fromkeys(names))
-
-
-def _check_hist(hist_bins: Any, hist_range: Any) -> tuple[int, float, float]:
-    hist_bins = count_argument(hist_bins, "hist_bins", 0)
-    if hist_bins > MAX_HIST_BINS:
-        raise ValueError(f"hist_bins must be in [0, {MAX_HIST_BINS}], got {hist_bins}")
-    try:
-        lo, hi = (float(v) for v in hist_range)
-    except (TypeError, ValueError):
-        raise ValueError(f"hist_range must be two numbers (lo, hi), got {hist_range!r}") from None
-    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-        raise ValueError(f"hist_range must be finite with lo < hi, got {hist_range!r}")
-    # float32, float16 and bfloat16 activations are binned in float32, whose range must hold it.
-    if max(abs(lo), abs(hi), hi - lo) > FLOAT32_MAX:
-        raise ValueError(
-            f"hist_range must lie within float32's range and span at most {FLOAT32_MAX:.4g}, "
-            f"got {hist_range!r}"
-        )
-    # float32 values must resolve the bins: each spans at least 2^-16 of the range's magnitude.
-    if hist_bins and (hi - lo) / hist_bins < math.ldexp(max(abs(lo), abs(hi)), -16):
-        raise ValueError(
-            f"hist_range: {hist_bins} bins over {hist_range!r} are narrower than 2^-16 of the "
-            "range's magnitude, finer than float32 activations resolve"
-        )
-    return int(hist_bins), lo, hi
 
 
 def read_extras(names: Iterable[str], read: Any, buffers: StatBuffers) -> dict[str, torch.Tensor]:
@@ -263,10 +202,6 @@ class ActivationStats(HookCallback):
         if not isinstance(skip_frozen, bool):
             raise TypeError(f"skip_frozen must be a bool, got {type(skip_frozen).__name__}")
         self.skip_frozen = skip_frozen
-        if isinstance(near_zero, bool) or not isinstance(near_zero, numbers.Real):
-            raise TypeError(f"near_zero must be a number, got {type(near_zero).__name__}")
-        if math.isnan(near_zero):
-            raise ValueError("near_zero must not be NaN")
         self._watch = NonFiniteWatch(on_nonfinite)
         self.backend, self._accumulate = resolve_backend(backend)
         self._requested_backend = backend
@@ -275,9 +210,9 @@ class ActivationStats(HookCallback):
         self.sink = check_sink(sink)
         self._window = ColumnWindow(self.window, expected_batches)
         self._drain: ColumnDrain | None = None
-        self.extra_names = _check_extra(extra)
-        self.near_zero = float(near_zero)
-        self.hist_bins, self.hist_min, self.hist_max = _check_hist(hist_bins, hist_range)
+        self.extra_names = check_extra(extra)
+        self.near_zero = check_near_zero(near_zero)
+        self.hist_bins, self.hist_min, self.hist_max = check_hist(hist_bins, hist_range)
         # The operator's arguments after the slot, the same on every call.
         self._options = (self.near_zero, self.hist_min, self.hist_max)
         self._slots: dict[nn.Module, int] = {}
@@ -622,7 +557,7 @@ class ActivationStats(HookCallback):
         """Qualified names of the hooked modules (`"layer1.0.conv1"`), in column order; the
         model itself is named by its class. A `torch.compile`d part of the model is named as
         before it was compiled (`"net.0"`, not `"net._orig_mod.0"`)."""
-        names = {m: _uncompiled_name(name) for name, m in self.model.named_modules() if name}
+        names = {m: uncompiled_name(name) for name, m in self.model.named_modules() if name}
         return [names.get(m, type(m).__name__) for m in self.resolve_modules()]
 
     def module_index(self, module: int | str) -> int:

@@ -155,7 +155,7 @@ def module_findings(
 
 def summarize(act: ActivationStats, top: int, window: int) -> Summary:
     """The `top` worst modules of a run, each by its most severe finding."""
-    from .stats import count_argument
+    from .arguments import count_argument
 
     top = count_argument(top, "top", 1)
     window = count_argument(window, "window", 1)

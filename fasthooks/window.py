@@ -5,20 +5,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
 from .buffers import HostCopy, StatBuffers
-
-
-def check_window(window: Any) -> int | None:
-    """`window=` as given: None (every batch kept) or an int >= 1."""
-    if window is None:
-        return None
-    from .stats import count_argument
-
-    return count_argument(window, "window", 1)
 
 
 class ColumnWindow:

@@ -10,9 +10,10 @@ from typing import Any
 
 from torch import nn
 
+from ..arguments import count_argument
 from ..export import newest_metrics
 from ..nonfinite import NonFiniteError
-from ..stats import ActivationStats, count_argument
+from ..stats import ActivationStats
 
 
 class FitRecorder:
