@@ -7,15 +7,20 @@ before.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 
 from .layout import (
     BUFFERS,
     CUDA_DROPPED_CALLS,
     CUDA_WORKSPACE_DOUBLES,
+    DERIVED_EXTRAS,
+    EXTRA_PLANES,
     NONFINITE,
     buffer_shape,
 )
+from .moments import derived_extra
 
 _clocks: dict[torch.device, torch.Tensor] = {}
 
@@ -154,6 +159,22 @@ def host_copies() -> dict[str, HostCopy]:
     counts read as int64."""
     copies = {spec.name: HostCopy(spec.axis, spec.dtype) for spec in BUFFERS}
     return {**copies, "nonfinite": HostCopy(1, torch.int64)}
+
+
+def read_extras(
+    names: Iterable[str], read: Callable[[str, torch.Tensor], torch.Tensor], buffers: StatBuffers
+) -> dict[str, torch.Tensor]:
+    """Each extra of `names` as a CPU tensor `(slots, columns)`, through `read(name, buffer)`
+    (the recorded columns of a buffer on the CPU)."""
+    out = {}
+    for name in names:
+        if name == "nonfinite":
+            out[name] = read("nonfinite", buffers.nonfinite())
+        elif name in DERIVED_EXTRAS:
+            out[name] = derived_extra(name, read("state", buffers.state))
+        else:
+            out[name] = read("extra", buffers.extra)[EXTRA_PLANES.index(name)]
+    return out
 
 
 class HostCopy:

@@ -1,8 +1,17 @@
-"""Saving and resuming an ActivationStats run with a training checkpoint."""
+"""One checkpoint schema for both recorders, and every older state of either read into it.
+
+Version 3, what `state_dict()` of `ActivationStats` and `ParameterStats` gives: `version`,
+`recorder` (the class name), `settings` (what must match for columns to continue), `num_batches`
+(columns recorded), `seen` (batches, or optimizer steps, seen), `batches` (the index of each
+held column), `columns` (per kind, the held columns of the merge state, histogram and call
+order), and with a sink `sink_sent` and `sink_through` (the batches it already holds).
+
+Older states: ActivationStats version 1 (no call order) and 2, ParameterStats version 1.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -11,25 +20,71 @@ from .layout import BUFFERS, SAVED_BUFFERS
 from .moments import finalise
 from .window import ColumnWindow
 
-if TYPE_CHECKING:
-    from .stats import ActivationStats
-
-VERSION = 2
-# Version 1 had no call order: its batches resume with none noted.
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+# Settings of the older flat layouts, under their names then.
+_OLD_NAMES = {"module_names": "names", "param_names": "names"}
+_SETTINGS = ("names", "kinds", "extra", "near_zero", "hist_bins", "hist_range", "every", "window")
 
 
-def settings(act: ActivationStats) -> dict[str, Any]:
-    """What must match for columns to continue: modules and the statistics they hold."""
-    return {
-        "module_names": act.module_names,
-        "extra": list(act.extra_names),
-        "near_zero": act.near_zero,
-        "hist_bins": act.hist_bins,
-        "hist_range": [act.hist_min, act.hist_max],
-        "every": act.every,
-        "window": act.window,
+def state_dict(recorder: str, settings: dict[str, Any], seen: int, store: Any) -> dict[str, Any]:
+    """A recorder's state in the current schema, from its `ColumnStore`."""
+    return {"version": VERSION, "recorder": recorder, "settings": settings, "seen": seen} | (
+        store.state()
+    )
+
+
+def _upgrade(saved: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
+    """An older state in the current schema (`kinds`: the resuming run's, for a layout that
+    did not name them)."""
+    settings = {
+        _OLD_NAMES.get(k, k): v for k, v in saved.items() if _OLD_NAMES.get(k, k) in _SETTINGS
     }
+    if "num_steps" in saved:  # ParameterStats, version 1
+        columns = {kind: dict(held) for kind, held in saved["buffers"].items()}
+        if saved["before"].numel():
+            columns["before"] = {"state": saved["before"]}
+        return {
+            "version": VERSION,
+            "recorder": "ParameterStats",
+            "settings": settings,
+            "num_batches": saved["num_steps"],
+            "seen": saved["step_count"],
+            "batches": saved["steps"],
+            "columns": columns,
+        }
+    held = {name: saved[name] for name in SAVED_BUFFERS if name in saved}
+    return {
+        "version": VERSION,
+        "recorder": "ActivationStats",
+        "settings": settings,
+        "num_batches": saved["num_batches"],
+        "seen": saved["seen"],
+        "batches": saved["batches"],
+        "columns": {kinds[0]: held},
+    }
+
+
+def checked(
+    saved: dict[str, Any], recorder: str, settings: dict[str, Any], kinds: list[str]
+) -> dict[str, Any]:
+    """`saved` in the current schema, refused (saying what differs) when it comes from another
+    recorder, another model or other statistics."""
+    version = saved.get("version")
+    if version == VERSION:
+        current = saved
+    elif version in (1, 2):
+        current = _upgrade(saved, kinds)
+    else:
+        raise ValueError(f"state_dict: version {version!r}, wanted one of (1, 2, {VERSION})")
+    if current["recorder"] != recorder:
+        raise ValueError(f"state_dict: saved by {current['recorder']}, not by {recorder}")
+    for key, want in settings.items():
+        got = current["settings"].get(key)
+        if got != want:
+            raise ValueError(
+                f"state_dict: saved {key} {got!r} does not match this {recorder}' {want!r}"
+            )
+    return current
 
 
 def held_columns(buffers: StatBuffers, window: ColumnWindow, n: int) -> dict[str, torch.Tensor]:
@@ -46,41 +101,11 @@ def held_columns(buffers: StatBuffers, window: ColumnWindow, n: int) -> dict[str
     return held
 
 
-def state_dict(
-    act: ActivationStats,
-    buffers: StatBuffers | None,
-    window: ColumnWindow,
-    position: dict[str, Any],
-) -> dict[str, Any]:
-    """The held columns and the position (`num_batches`, and what the recorder adds), as CPU
-    tensors and plain values."""
-    empty = {
-        "state": torch.empty(0),
-        "hist": torch.empty(0),
-        "order": torch.empty(0, dtype=torch.int64),
-    }
-    columns = empty if buffers is None else held_columns(buffers, window, act.num_batches)
-    return {"version": VERSION, **settings(act), **position, "batches": act.batches, **columns}
-
-
-def check(act: ActivationStats, saved: dict[str, Any]) -> None:
-    """Refuses a state saved from another model or with other statistics, saying what differs."""
-    if saved.get("version") not in READABLE_VERSIONS:
-        raise ValueError(
-            f"state_dict: version {saved.get('version')!r}, wanted one of {READABLE_VERSIONS}"
-        )
-    for key, want in settings(act).items():
-        got = saved.get(key)
-        if got != want:
-            raise ValueError(
-                f"state_dict: saved {key} {got!r} does not match this ActivationStats' {want!r}"
-            )
-
-
-def restore(saved: dict[str, Any], buffers: StatBuffers, window: ColumnWindow) -> None:
-    """Writes the saved columns into fresh buffers where `window` places them, and puts the
-    cursor after them."""
-    n = saved["num_batches"]
+def restore_columns(
+    saved: dict[str, torch.Tensor], n: int, buffers: StatBuffers, window: ColumnWindow
+) -> None:
+    """Writes saved columns into fresh buffers where `window` places them, and puts the cursor
+    after them; the finalised statistics are computed again from the merge state."""
     if n == 0:
         return
     device = buffers.state.device
@@ -89,7 +114,7 @@ def restore(saved: dict[str, Any], buffers: StatBuffers, window: ColumnWindow) -
     values = {**saved, "stats": stats, "extra": extra}
     for spec in BUFFERS:
         target = getattr(buffers, spec.name)
-        # Version 1 kept no call order: its batches resume with none noted.
+        # A version 1 state kept no call order: its batches resume with none noted.
         if target.numel() > 0 and values.get(spec.name) is not None:
             target.index_copy_(spec.axis, columns, values[spec.name].to(device))
     buffers.cursor.fill_(window.column(n))

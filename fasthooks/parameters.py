@@ -21,15 +21,13 @@ from .arguments import (
     module_position,
     uncompiled_name,
 )
-from .buffers import HostCopy, StatBuffers, host_copies
+from .buffers import StatBuffers
+from .column_store import ColumnStore
 from .layout import COUNT, DERIVED_EXTRAS, M2, MEAN
 from .ops import backend_for_device, resolve_backend, resolve_list_backend
-from .sink import ColumnDrain
-from .stats import read_extras
 from .window import ColumnWindow
 
 KINDS = ("weight", "grad", "update")
-VERSION = 1
 
 
 def _check_kinds(of: Any) -> tuple[str, ...]:
@@ -159,26 +157,21 @@ class ParameterStats:
         self.expected_steps = count_argument(expected_steps, "expected_steps", 1)
         self.window = check_window(window)
         self.sink = check_sink(sink)
-        self._window = ColumnWindow(self.window, self.expected_steps)
-        self._drain: ColumnDrain | None = None
+        self._placement = ColumnWindow(self.window, self.expected_steps)
         self.extra_names = tuple(dict.fromkeys((*DERIVED_EXTRAS, *check_extra(extra))).keys())
         self.hist_bins, self.hist_min, self.hist_max = check_hist(hist_bins, hist_range)
         self.near_zero = check_near_zero(near_zero)
         self._accumulate = resolve_list_backend(backend)
         self._backend = (backend, resolve_backend(backend)[0])  # as asked for, and resolved
         self.param_names, self._params = _stepped_parameters(model, optimizer, parameters)
-        self._buffers: dict[str, StatBuffers] = {}
+        self._store: ColumnStore | None = None
         self._handles: list[Any] = []
         self._resume: dict[str, Any] | None = None
         self._start()
 
     def _start(self) -> None:
-        self._num_steps = 0
         self._step_count = 0  # optimizer steps seen
-        self._step_ids = self._window.batch_ids()
         self._recording = False
-        self._host = {kind: host_copies() for kind in self.kinds}
-        self._host_before = HostCopy(2, torch.float64)
 
     # Lifecycle ------------------------------------------------------------------------------
 
@@ -195,53 +188,38 @@ class ParameterStats:
         self.stop()
         self._start()
         resume, self._resume = self._resume, None
-        capacity = self._window.capacity
-        if resume is not None and self.window is None:
-            capacity = max(capacity, resume["num_steps"] + 1)
         device = self._params[0].device if self._params else torch.device("cpu")
         requested, resolved = self._backend
         if backend_for_device(resolved, requested, device) != resolved:
             self._accumulate = resolve_list_backend("python")
-        full = True  # norm and absmax need the extremes
-        self._buffers = {
-            kind: StatBuffers(
-                len(self._params), capacity, device, full, self.hist_bins, ordered=False
-            )
-            for kind in self.kinds
-        }
-        if "update" in self.kinds:  # the weights before the step, for update_ratio
-            self._before = StatBuffers(len(self._params), capacity, device, False, 0, ordered=False)
+        if self._store is not None:
+            self._store.stop_sink()
+        self._store = ColumnStore(
+            self._placement,
+            list(self.kinds),
+            len(self._params),
+            device,
+            True,  # norm and absmax need the extremes
+            self.hist_bins,
+            ordered=False,
+            # The weights before the step, for update_ratio.
+            aux=("before",) if "update" in self.kinds else (),
+            resume_batches=0 if resume is None else resume["num_batches"],
+        )
         with torch.inference_mode(False):
             self._weights = [p.detach() for p in self._params]  # views: in place steps show
             self._snapshots = [w.clone() for w in self._weights] if "update" in self.kinds else []
             self._no_grad = torch.empty(0, device=device)
         if resume is not None:
-            for kind in self.kinds:
-                saved = {"num_batches": resume["num_steps"], **resume["buffers"][kind]}
-                checkpoint.restore(saved, self._buffers[kind], self._window)
-            if "update" in self.kinds:
-                saved = {"num_batches": resume["num_steps"], "state": resume["before"]}
-                checkpoint.restore(saved, self._before, self._window)
-            self._num_steps, self._step_count = resume["num_steps"], resume["step_count"]
-            self._step_ids.extend(resume["steps"].tolist())
-        if self._drain is not None:
-            self._drain.close()
-            self._drain = None
+            self._store.restore(resume)
+            self._step_count = resume["seen"]
         if self.sink is not None:
             describe = {
                 "recorder": "ParameterStats",
-                "kinds": list(self.kinds),
-                "names": list(self.param_names),
+                **self._settings(),
                 "types": [type(p).__name__ for p in self._params],
-                "extra": list(self.extra_names),
-                "hist_bins": self.hist_bins,
-                "hist_range": [self.hist_min, self.hist_max],
-                "near_zero": self.near_zero,
-                "every": self.every,
             }
-            sent = resume.get("sink_sent", 0) if resume is not None else 0
-            through = resume.get("sink_through", -1) if resume is not None else -1
-            self._drain = ColumnDrain(self.sink, self._window, describe, sent, through)
+            self._store.start_sink(self.sink, describe, resume)
         self._handles = [
             self.optimizer.register_step_pre_hook(self._before_step),
             self.optimizer.register_step_post_hook(self._after_step),
@@ -253,22 +231,19 @@ class ParameterStats:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self.flush()
-        if self._drain is not None:
-            self._drain.close()  # its thread; a later flush starts it again
+        if self._store is not None:
+            self._store.flush()
+            self._store.stop_sink()
 
     def flush(self) -> None:
         """Send every recorded column not yet in the sink to it, and wait until it has them."""
-        if self._drain is not None:
-            self._drain.flush(self._buffers, self._step_ids, self._num_steps)
+        if self._store is not None:
+            self._store.flush()
 
     # Recording ------------------------------------------------------------------------------
 
     def _call(self, b: StatBuffers, xs: list[torch.Tensor], bases: list[torch.Tensor]) -> None:
         self._accumulate(xs, bases, *b.list_op_args(), self.near_zero, self.hist_min, self.hist_max)
-
-    def _all_buffers(self) -> list[StatBuffers]:
-        return [*self._buffers.values(), *([self._before] if "update" in self.kinds else [])]
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._recording = self._step_count % self.every == 0
@@ -277,66 +252,60 @@ class ParameterStats:
         with torch.no_grad():
             if "grad" in self.kinds:
                 grads = [p.grad if p.grad is not None else self._no_grad for p in self._params]
-                self._call(self._buffers["grad"], [g.detach() for g in grads], [])
+                self._call(self._store.buffers["grad"], [g.detach() for g in grads], [])
             if "update" in self.kinds:
                 torch._foreach_copy_(self._snapshots, self._weights)
-                self._call(self._before, self._weights, [])
+                self._call(self._store.buffers["before"], self._weights, [])
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._recording:
             with torch.no_grad():
                 if "weight" in self.kinds:
-                    self._call(self._buffers["weight"], self._weights, [])
+                    self._call(self._store.buffers["weight"], self._weights, [])
                 if "update" in self.kinds:
-                    self._call(self._buffers["update"], self._weights, self._snapshots)
+                    self._call(self._store.buffers["update"], self._weights, self._snapshots)
             self._close_column()
         self._recording = False
         self._step_count += 1
 
     def _close_column(self) -> None:
-        self._step_ids.append(self._step_count)
-        self._num_steps += 1
-        if self._drain is not None:
-            self._drain.closed(self._buffers, self._step_ids, self._num_steps)
-        self._window.advance(self._all_buffers(), self._num_steps)
+        self._store.close(self._step_count)
 
     # Reading --------------------------------------------------------------------------------
 
-    def _read(self, kind: str, name: str, source: torch.Tensor) -> torch.Tensor:
-        return self._window.read(self._host[kind][name], source, self._num_steps)
+    def _kinds(self) -> list[str]:
+        """The recorded kinds once started (reading before `start()` finds none)."""
+        return [] if self._store is None else self.kinds
 
     @property
     def num_steps(self) -> int:
         """How many optimizer steps have been recorded (with `window`, more than are held)."""
-        return self._num_steps
+        return 0 if self._store is None else self._store.num_batches
 
     @property
     def steps(self) -> torch.Tensor:
         """int64 `(steps,)`: for each column held, the 0-based index of its optimizer step."""
-        return torch.tensor(self._step_ids, dtype=torch.int64)
+        if self._store is None:
+            return torch.zeros(0, dtype=torch.int64)
+        return self._store.batches
 
     @property
     def stats(self) -> dict[str, torch.Tensor]:
         """Per kind, float32 CPU `(2, parameters, steps)`: mean and unbiased std."""
-        return {k: self._read(k, "stats", b.stats) for k, b in self._buffers.items()}
+        return {k: self._store.read(k, "stats") for k in self._kinds()}
 
     @property
     def extra(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per kind, each extra statistic ("norm", "absmax", and those asked for) as a CPU
         tensor `(parameters, steps)`."""
-        return {
-            kind: read_extras(
-                self.extra_names, lambda name, t, kind=kind: self._read(kind, name, t), b
-            )
-            for kind, b in self._buffers.items()
-        }
+        return {k: self._store.extra(k, self.extra_names) for k in self._kinds()}
 
     @property
     def hist(self) -> dict[str, torch.Tensor]:
         """Per kind, int64 CPU `(parameters, steps, hist_bins)`; only with `hist_bins > 0`."""
         if not self.hist_bins:
             raise AttributeError("hist is recorded only with hist_bins > 0")
-        return {k: self._read(k, "hist", b.hist) for k, b in self._buffers.items()}
+        return {k: self._store.read(k, "hist") for k in self._kinds()}
 
     @property
     def update_ratio(self) -> torch.Tensor:
@@ -344,7 +313,9 @@ class ParameterStats:
         (the learning-rate diagnostic; around 1e-3 is the usual rule of thumb)."""
         if "update" not in self.kinds:
             raise AttributeError('update_ratio needs "update" among the kinds recorded (of=)')
-        state = self._window.read(self._host_before, self._before.state, self._num_steps)
+        if self._store is None:
+            return torch.zeros(len(self.param_names), 0)
+        state = self._store.read("before", "state")
         before = (state[M2] + state[COUNT] * state[MEAN] * state[MEAN]).sqrt()
         return (self.extra["update"]["norm"].double() / before).float()
 
@@ -401,7 +372,7 @@ class ParameterStats:
 
     def _settings(self) -> dict[str, Any]:
         return {
-            "param_names": list(self.param_names),
+            "names": list(self.param_names),
             "kinds": list(self.kinds),
             "extra": list(self.extra_names),
             "near_zero": self.near_zero,
@@ -414,40 +385,17 @@ class ParameterStats:
     def state_dict(self) -> dict[str, Any]:
         """The recorded columns and position, as CPU tensors and plain values, to save with a
         training checkpoint (`torch.load(..., weights_only=True)` reads it)."""
-        n = self._num_steps
-        buffers = {}
-        for kind, b in self._buffers.items():
-            held = checkpoint.held_columns(b, self._window, n)
-            buffers[kind] = {"state": held["state"], "hist": held["hist"]}
-        position = {}
-        if self._drain is not None:
-            self.flush()  # the sink then holds every step the state does
-            position = {"sink_sent": n, "sink_through": self._step_ids[-1] if n else -1}
-        return {
-            "version": VERSION,
-            **self._settings(),
-            "num_steps": n,
-            "step_count": self._step_count,
-            "steps": self.steps,
-            "buffers": buffers,
-            "before": checkpoint.held_columns(self._before, self._window, n)["state"]
-            if self._buffers and "update" in self.kinds
-            else torch.empty(0),
-            **position,
-        }
+        store = self._store
+        if store is None:
+            store = ColumnStore(
+                self._placement, list(self.kinds), len(self._params), "cpu", True, 0
+            )
+        return checkpoint.state_dict("ParameterStats", self._settings(), self._step_count, store)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the columns of a saved run at the next `start()` (the next `with ps:`); a
         state from other parameters or with other statistics is refused."""
-        if state.get("version") != VERSION:
-            raise ValueError(f"state_dict: version {state.get('version')!r}, wanted {VERSION}")
-        for key, want in self._settings().items():
-            if state.get(key) != want:
-                raise ValueError(
-                    f"state_dict: saved {key} {state.get(key)!r} does not match this "
-                    f"ParameterStats' {want!r}"
-                )
-        self._resume = state
+        self._resume = checkpoint.checked(state, "ParameterStats", self._settings(), self.kinds)
         if self._handles:
             self.start()
 
@@ -457,5 +405,5 @@ class ParameterStats:
         )
         return (
             f"ParameterStats(parameters={len(self.param_names)}, kinds={list(self.kinds)}, "
-            f"steps={self._num_steps}, statistics={statistics}, every={self.every})"
+            f"steps={self.num_steps}, statistics={statistics}, every={self.every})"
         )

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .buffers import StatBuffers, host_copies
+from .buffers import StatBuffers, host_copies, read_extras
 from .layout import BUFFERS, COUNT, NONFINITE
 from .window import ColumnWindow
 
@@ -170,8 +170,6 @@ class _Writer:
                 self.queue.task_done()
 
     def _write(self, kind: str, batches: torch.Tensor, copies: dict, event: Any) -> None:
-        from .stats import read_extras
-
         if event is not None:
             event.synchronize()
         columns = _HostColumns(copies)

@@ -22,15 +22,14 @@ from .arguments import (
     module_position,
     uncompiled_name,
 )
-from .buffers import StatBuffers, host_copies
+from .buffers import StatBuffers
+from .column_store import ColumnStore
 from .distributed import all_reduce
 from .hook import HookCallback
-from .layout import COUNT, DERIVED_EXTRAS, EXTRA_PLANES
-from .moments import derived_extra
+from .layout import COUNT
 from .nonfinite import NonFinite, NonFiniteWatch, first_nonfinite
 from .ops import backend_for_device, resolve_backend
 from .outputs import measured_tensor
-from .sink import ColumnDrain
 from .window import ColumnWindow
 
 DEFAULT_CAPACITY = 64
@@ -79,20 +78,6 @@ def _buffer_device(model: nn.Module, modules: list[nn.Module]) -> torch.device |
 
 class StatisticsError(RuntimeError):
     """Recording a module's statistics failed; the message names the module."""
-
-
-def read_extras(names: Iterable[str], read: Any, buffers: StatBuffers) -> dict[str, torch.Tensor]:
-    """Each extra of `names` as a CPU tensor `(slots, columns)`, through `read(name, buffer)`
-    (the recorded columns of a buffer on the CPU)."""
-    out = {}
-    for name in names:
-        if name == "nonfinite":
-            out[name] = read("nonfinite", buffers.nonfinite())
-        elif name in DERIVED_EXTRAS:
-            out[name] = derived_extra(name, read("state", buffers.state))
-        else:
-            out[name] = read("extra", buffers.extra)[EXTRA_PLANES.index(name)]
-    return out
 
 
 class ActivationStats(HookCallback):
@@ -208,8 +193,7 @@ class ActivationStats(HookCallback):
         self.expected_batches = expected_batches
         self.window = check_window(window)
         self.sink = check_sink(sink)
-        self._window = ColumnWindow(self.window, expected_batches)
-        self._drain: ColumnDrain | None = None
+        self._placement = ColumnWindow(self.window, expected_batches)
         self.extra_names = check_extra(extra)
         self.near_zero = check_near_zero(near_zero)
         self.hist_bins, self.hist_min, self.hist_max = check_hist(hist_bins, hist_range)
@@ -219,11 +203,9 @@ class ActivationStats(HookCallback):
         self._warned: set[nn.Module] = set()
         if self.modules is not None:
             self._slots = self._check_unique(self.modules)
-        self._buffers: StatBuffers | None = None
+        self._store: ColumnStore | None = None
         self._device_pending = False
         self._args: tuple[torch.Tensor, ...] = ()
-        self._host = host_copies()
-        self._num_batches = 0
         self._dropped_reported = 0
         self._resume: dict[str, Any] | None = None
         self._leaving_on_error = False
@@ -234,7 +216,10 @@ class ActivationStats(HookCallback):
     def _start_sampling(self) -> None:
         self._seen = 0  # training batches closed so far
         self._sampled = True  # whether the current training batch is recorded
-        self._batch_ids = self._window.batch_ids()
+
+    @property
+    def _buffers(self) -> StatBuffers | None:
+        return None if self._store is None else self._store.buffers[self.kind]
 
     @staticmethod
     def _check_unique(modules: list[nn.Module]) -> dict[nn.Module, int]:
@@ -263,53 +248,56 @@ class ActivationStats(HookCallback):
         if backend_for_device(self.backend, self._requested_backend, device) != self.backend:
             self.backend, self._accumulate = resolve_backend("python")
         resume, self._resume = self._resume, None
-        capacity = self._window.capacity
-        if resume is not None and self.window is None:  # checked by load_state_dict
-            capacity = max(capacity, resume["num_batches"] + 1)
-        buffers = StatBuffers(
-            len(modules), capacity, device, bool(self.extra_names), self.hist_bins
-        )
-        if resume is not None:
-            checkpoint.restore(resume, buffers, self._window)
+        if self._store is not None:
+            self._store.stop_sink()
+        store = self._new_store(len(modules), device, resume)
         if device.type == "cuda":
             # Ready for the hooks on whichever stream they run.
             torch.cuda.current_stream(device).synchronize()
         super().on_train_begin(**kwargs)
-        self._slots, self._buffers, self._args = slots, buffers, buffers.op_args()
+        self._slots, self._store = slots, store
+        self._args = store.buffers[self.kind].op_args()
         self._warned = set()
-        self._host = host_copies()
-        self._num_batches = 0
         self._dropped_reported = 0
         self._rank_orders, self._rank = None, None
         self._watch.reset()
         self._start_sampling()
         if resume is not None:
-            self._num_batches, self._seen = resume["num_batches"], resume["seen"]
-            self._batch_ids.extend(resume["batches"].tolist())
+            self._seen = resume["seen"]
             self._sampled = self._seen % self.every == 0
-        self._start_drain(resume)
+        if self.sink is not None:
+            store.start_sink(self.sink, self._sink_description(), resume)
 
-    def _start_drain(self, resume: dict[str, Any] | None) -> None:
-        """A drain to the sink, continuing after the batches a resumed run had sent."""
-        if self._drain is not None:
-            self._drain.close()
-        self._drain = None
-        if self.sink is None:
-            return
-        sent = resume.get("sink_sent", 0) if resume is not None else 0
-        through = resume.get("sink_through", -1) if resume is not None else -1
-        describe = {
-            "recorder": "ActivationStats",
-            "kinds": [self.kind],
+    def _new_store(
+        self, rows: int, device: torch.device, resume: dict[str, Any] | None = None
+    ) -> ColumnStore:
+        n = 0 if resume is None else resume["num_batches"]
+        full = bool(self.extra_names)
+        store = ColumnStore(
+            self._placement, [self.kind], rows, device, full, self.hist_bins, resume_batches=n
+        )
+        if resume is not None:
+            store.restore(resume)
+        return store
+
+    def _settings(self) -> dict[str, Any]:
+        """What must match for a saved state's columns to continue."""
+        return {
             "names": self.module_names,
-            "types": self.module_types,
             "extra": list(self.extra_names),
+            "near_zero": self.near_zero,
             "hist_bins": self.hist_bins,
             "hist_range": [self.hist_min, self.hist_max],
-            "near_zero": self.near_zero,
             "every": self.every,
+            "window": self.window,
         }
-        self._drain = ColumnDrain(self.sink, self._window, describe, sent, through)
+
+    def _sink_description(self) -> dict[str, Any]:
+        return {
+            "recorder": "ActivationStats",
+            **self._settings(),
+            "types": self.module_types,
+        }
 
     @property
     def kind(self) -> str:
@@ -323,18 +311,16 @@ class ActivationStats(HookCallback):
 
     def flush(self) -> None:
         """Send every recorded column not yet in the sink to it, and wait until it has them."""
-        if self._drain is not None and self._buffers is not None:
-            self._drain.flush({self.kind: self._buffers}, self._batch_ids, self._num_batches)
+        if self._store is not None:
+            self._store.flush()
 
     def state_dict(self) -> dict[str, Any]:
         """The recorded statistics and sampling position, to save with a training checkpoint:
         CPU tensors and plain values only (`torch.load(..., weights_only=True)` reads it)."""
-        position = {"num_batches": self._num_batches, "seen": self._seen}
-        if self._drain is not None:
-            self.flush()  # the sink then holds every batch the state does
-            position["sink_sent"] = self._num_batches
-            position["sink_through"] = self._batch_ids[-1] if self._batch_ids else -1
-        return checkpoint.state_dict(self, self._buffers, self._window, position)
+        store = self._store
+        if store is None:
+            store = self._new_store(len(self.resolve_modules()), torch.device("cpu"))
+        return checkpoint.state_dict("ActivationStats", self._settings(), self._seen, store)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the columns of a saved run at the next `on_train_begin` (the next `with act:`);
@@ -353,8 +339,7 @@ class ActivationStats(HookCallback):
             >>> resumed.num_batches, resumed.batches.tolist()
             (2, [0, 1])
         """
-        checkpoint.check(self, state)
-        self._resume = state
+        self._resume = checkpoint.checked(state, "ActivationStats", self._settings(), [self.kind])
 
     # Runs on every hooked module of every batch: detaching only the tensor it reads is cheaper
     # than the generic detach of inputs and outputs.
@@ -413,14 +398,12 @@ class ActivationStats(HookCallback):
         """Move the still empty buffers to the device of the first hooked output (a model
         without parameters or buffers gave none at `on_train_begin`)."""
         self._device_pending = False
-        old = self._buffers
-        if device == old.state.device:
+        if device == self._buffers.state.device:
             return
         if backend_for_device(self.backend, self._requested_backend, device) != self.backend:
             self.backend, self._accumulate = resolve_backend("python")
-        self._buffers = old.moved_to(device)
+        self._store.moved_to(device)
         self._args = self._buffers.op_args()
-        self._host = host_copies()
 
     def _foreign(self, m: nn.Module) -> None:
         """A module this run did not hook called its hook: a copy of a hooked one."""
@@ -468,11 +451,11 @@ class ActivationStats(HookCallback):
         report a non-finite batch not yet reported (`on_nonfinite`)."""
         super().on_train_end(**kwargs)
         self.flush()
-        if self._drain is not None:
-            self._drain.close()  # its thread; a later flush starts it again
+        if self._store is not None:
+            self._store.stop_sink()
         if self._buffers is not None and not self._leaving_on_error:
             self._watch.poll(self, wait=True)
-        if self._buffers is not None and self._num_batches == 0 and not self._leaving_on_error:
+        if self._buffers is not None and self.num_batches == 0 and not self._leaving_on_error:
             column = self._buffers.state[COUNT].index_select(1, self._buffers.cursor.reshape(1))
             if bool(column.any()):
                 warnings.warn(
@@ -500,17 +483,12 @@ class ActivationStats(HookCallback):
         if not train:
             self._buffers.clear_column()
             return
-        if self._sampled:
-            self._batch_ids.append(self._seen)
-            self._num_batches += 1
-            if self._drain is not None:
-                self._drain.closed({self.kind: self._buffers}, self._batch_ids, self._num_batches)
-            if self._window.advance([self._buffers], self._num_batches):
-                self._args = self._buffers.op_args()
+        if self._sampled and self._store.close(self._seen):
+            self._args = self._buffers.op_args()
         self._seen += 1
         closed, self._sampled = self._sampled, self._seen % self.every == 0
         if closed:
-            column = self._window.column(self._num_batches - 1)
+            column = self._placement.column(self.num_batches - 1)
             self._watch.batch_closed(self, self._buffers.order, column)
 
     def all_reduce(self, group: Any = None) -> None:
@@ -534,7 +512,7 @@ class ActivationStats(HookCallback):
                 "the newest: record without window= to merge across ranks"
             )
         self._rank_orders, self._rank = all_reduce(self, self._buffers, group)
-        self._host = host_copies()  # columns already copied to the host have changed
+        self._store.reset_host()  # columns already copied to the host have changed
 
     @property
     def rank_call_orders(self) -> tuple[torch.Tensor, int] | None:
@@ -545,12 +523,14 @@ class ActivationStats(HookCallback):
     @property
     def num_batches(self) -> int:
         """How many training batches have been recorded (with `window`, more than are held)."""
-        return self._num_batches
+        return 0 if self._store is None else self._store.num_batches
 
     @property
     def batches(self) -> torch.Tensor:
         """int64 `(batches,)`: for each column held, the 0-based index of its training batch."""
-        return torch.tensor(self._batch_ids, dtype=torch.int64)
+        if self._store is None:
+            return torch.zeros(0, dtype=torch.int64)
+        return self._store.batches
 
     @property
     def module_names(self) -> list[str]:
@@ -624,13 +604,13 @@ class ActivationStats(HookCallback):
         )
         return (
             f"ActivationStats(backend={self.backend!r}, modules={len(self.modules or ())}, "
-            f"batches={self._num_batches}, statistics={statistics}, every={self.every})"
+            f"batches={self.num_batches}, statistics={statistics}, every={self.every})"
         )
 
-    def _read(self, name: str, source: torch.Tensor) -> torch.Tensor:
+    def _read(self, name: str) -> torch.Tensor:
         """The held columns of a buffer on the CPU, oldest first."""
         self._report_dropped()
-        return self._window.read(self._host[name], source, self._num_batches)
+        return self._store.read(self.kind, name)
 
     def _report_dropped(self) -> None:
         dropped = self._buffers.dropped_calls() if self._buffers is not None else 0
@@ -652,7 +632,7 @@ class ActivationStats(HookCallback):
         and how many they were (-1 with mean and std only). `layout.py` describes the clock."""
         if self._buffers is None:
             return torch.zeros(2, len(self.modules or ()), 0, dtype=torch.int64)
-        return self._read("order", self._buffers.order)
+        return self._read("order")
 
     def first_nonfinite(self) -> NonFinite | None:
         """The first recorded call whose values held a NaN or an infinity, or None: a
@@ -689,7 +669,7 @@ class ActivationStats(HookCallback):
         """
         if self._buffers is None:
             return torch.empty(2, len(self.modules or ()), 0)
-        return self._read("stats", self._buffers.stats)
+        return self._read("stats")
 
     @property
     def extra(self) -> dict[str, torch.Tensor]:
@@ -699,7 +679,8 @@ class ActivationStats(HookCallback):
         if self._buffers is None:
             empty = torch.empty(len(self.modules or ()), 0)
             return {n: empty.long() if n == "nonfinite" else empty for n in self.extra_names}
-        return read_extras(self.extra_names, self._read, self._buffers)
+        self._report_dropped()
+        return self._store.extra(self.kind, self.extra_names)
 
     @property
     def hist(self) -> torch.Tensor:
@@ -708,4 +689,4 @@ class ActivationStats(HookCallback):
             raise AttributeError("hist is recorded only with hist_bins > 0")
         if self._buffers is None:
             return torch.zeros(len(self.modules or ()), 0, self.hist_bins, dtype=torch.int64)
-        return self._read("hist", self._buffers.hist)
+        return self._read("hist")

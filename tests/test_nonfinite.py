@@ -202,11 +202,20 @@ def test_first_nonfinite_survives_a_resume(backend, tmp_path):
         model(torch.randn(16, 4))
         resumed.on_batch_end()
     assert resumed.first_nonfinite() == act.first_nonfinite() == NonFinite(3, "2", "forward", 128)
-    old = act.state_dict()
-    old["version"] = 1
-    del old["order"]
+    saved = act.state_dict()
+    columns = saved["columns"]["forward"]
+    old = {  # version 1's flat layout, saved before the call order was kept: none noted
+        "version": 1,
+        "module_names": saved["settings"]["names"],
+        **{k: v for k, v in saved["settings"].items() if k not in ("names", "window")},
+        "num_batches": saved["num_batches"],
+        "seen": saved["seen"],
+        "batches": saved["batches"],
+        "state": columns["state"],
+        "hist": columns["hist"],
+    }
     resumed = ActivationStats(model, backend=backend, extra=["nonfinite"])
-    resumed.load_state_dict(old)  # a state saved before the call order was kept: none noted
+    resumed.load_state_dict(old)
     with resumed:
         pass
     assert resumed.first_nonfinite() is None and resumed.num_batches == 5

@@ -147,7 +147,7 @@ def test_a_state_from_another_run_is_refused():
     _run(act, model, [torch.randn(5, 6)])
     state = act.state_dict()
     other = ActivationStats(nn.Sequential(nn.Linear(6, 2)), backend="python", hist_bins=5)
-    with pytest.raises(ValueError, match=r"saved module_names \['0', '1.0.conv1'.* does not match"):
+    with pytest.raises(ValueError, match=r"saved names \['0', '1.0.conv1'.* does not match"):
         other.load_state_dict(state)
     with pytest.raises(
         ValueError, match="saved hist_bins 5 does not match this ActivationStats' 0"
