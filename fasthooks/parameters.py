@@ -25,6 +25,7 @@ from .buffers import StatBuffers
 from .column_store import ColumnStore
 from .layout import COUNT, DERIVED_EXTRAS, M2, MEAN
 from .ops import backend_for_device, resolve_backend, resolve_list_backend
+from .reading import KindReading
 from .window import ColumnWindow
 
 KINDS = ("weight", "grad", "update")
@@ -332,19 +333,22 @@ class ParameterStats:
         """The row of a parameter, given its qualified name or an index (negative too)."""
         return module_position(self.param_names, param)
 
+    def __getitem__(self, kind: str) -> KindReading:
+        """One recorded kind with `ActivationStats`' reading API (`stats`, `extra`, `hist`,
+        `layer_stats`, `summary`, `plot`, `color_dim`, `to_dataframe`, ...): rows are the
+        parameters, columns the optimizer steps."""
+        if kind not in self.kinds:
+            raise KeyError(f"kind {kind!r} is not recorded; recorded kinds: {self.kinds}")
+        if self._store is None:
+            raise RuntimeError(f'ps["{kind}"] is read after start() (the `with ps:` block)')
+        settings = {**self._settings(), "types": [type(p).__name__ for p in self._params]}
+        return KindReading(self._store, kind, settings)
+
     def layer_stats(self, param: int | str) -> dict[str, dict[str, torch.Tensor]]:
         """Every recorded statistic of one parameter, per kind: `(steps,)` CPU tensors "mean",
         "std" and each extra."""
         index = self.param_index(param)
-        stats, extra = self.stats, self.extra
-        return {
-            kind: {
-                "mean": stats[kind][0, index],
-                "std": stats[kind][1, index],
-                **{name: values[index] for name, values in extra[kind].items()},
-            }
-            for kind in self.kinds
-        }
+        return {kind: self[kind].layer_stats(index) for kind in self._kinds()}
 
     def to_dataframe(self) -> Any:
         """Every recorded statistic as a pandas DataFrame in long format: columns `step`,
@@ -356,17 +360,14 @@ class ParameterStats:
     def plot(self, kind: str = "grad", path: str | Path | None = None) -> Any:
         """A heat map per statistic of one kind over parameters and steps (a Figure, saved as a
         PNG at `path` when given); readable at 300 parameters and more."""
-        from .plot import parameter_overview
-
-        return parameter_overview(self, kind, path)
+        return self[kind].plot(path)
 
     def log_to_tensorboard(self, writer: Any, step: int | None = None) -> None:
         """Write the newest recorded column of every statistic of every kind to a
         `SummaryWriter`, tagged `parameters/<kind>/<name>/<stat>`; `step` defaults to that
         column's optimizer step."""
-        from .export import log_parameters_to_tensorboard
-
-        log_parameters_to_tensorboard(self, writer, step)
+        for kind in self._kinds():
+            self[kind].log_to_tensorboard(writer, step)
 
     # Saving ---------------------------------------------------------------------------------
 

@@ -13,8 +13,7 @@ import torch
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from .parameters import ParameterStats
-    from .stats import ActivationStats
+    from .reading import Reading
 
 # The least height of a labelled row, in inches (x-small labels are about 0.08 in tall).
 LABEL_ROW_INCHES = 0.11
@@ -78,25 +77,20 @@ def _module_ticks(ax: Any, names: list[str], row_inches: float) -> None:
     ax.tick_params(labelleft=True)  # on every panel, not only the first of a shared axis
 
 
-def overview(act: ActivationStats, path: str | Path | None = None) -> Figure:
-    """A heat map per statistic over modules (rows, by name) and recorded batches (columns).
-    Every panel names its rows; a constant panel's colour bar shows its one value; cells
-    without a value (a module that did not run, or NaN) are grey, and the title says so."""
-    planes = {"mean": act.stats[0], "std": act.stats[1], **act.extra}
-    kind = "activation" if act.is_forward else "gradient"
-    note = " (grey: no value, the module did not run or gave NaN)"
-    title = f"{kind} statistics per module"
-    return _heat_maps(planes, act.module_names, act.batches, "training batch", title, note, path)
-
-
-def parameter_overview(ps: ParameterStats, kind: str, path: str | Path | None = None) -> Figure:
-    """`overview` for one kind of a ParameterStats run: parameters over optimizer steps."""
-    if kind not in ps.kinds:
-        raise KeyError(f"kind {kind!r} is not recorded; recorded kinds: {ps.kinds}")
-    planes = {"mean": ps.stats[kind][0], "std": ps.stats[kind][1], **ps.extra[kind]}
-    note = " (grey: no value, no gradient that step or NaN)"
-    title = f"{kind} statistics per parameter"
-    return _heat_maps(planes, ps.param_names, ps.steps, "optimizer step", title, note, path)
+def overview(reading: Reading, path: str | Path | None = None) -> Figure:
+    """A heat map per statistic over rows (modules or parameters, by name) and recorded batches
+    (columns). Every panel names its rows; a constant panel's colour bar shows its one value;
+    cells without a value (a module that did not run, a step without a gradient, or NaN) are
+    grey, and the title says so."""
+    planes = {"mean": reading.stats[0], "std": reading.stats[1], **reading.extra}
+    if reading.recorder == "ParameterStats":
+        note = " (grey: no value, no gradient that step or NaN)"
+        title, xlabel = f"{reading.kind} statistics per parameter", "optimizer step"
+    else:
+        note = " (grey: no value, the module did not run or gave NaN)"
+        kind = "activation" if reading.is_forward else "gradient"
+        title, xlabel = f"{kind} statistics per module", "training batch"
+    return _heat_maps(planes, reading.module_names, reading.batches, xlabel, title, note, path)
 
 
 def _heat_maps(
@@ -145,33 +139,33 @@ def _heat_maps(
     return _save(fig, path)
 
 
-def layer_stats(act: ActivationStats, module: int | str, path: str | Path | None = None) -> Figure:
+def layer_stats(reading: Reading, module: int | str, path: str | Path | None = None) -> Figure:
     """Mean, std and (where recorded) near-zero fraction of one module over the batches."""
-    stats = act.layer_stats(module)
+    stats = reading.layer_stats(module)
     shown = [s for s in ("mean", "std", "near_zero") if s in stats]
     fig = _figure(4.2 * len(shown), 3.6)
     axes = fig.subplots(1, len(shown), squeeze=False)[0]
-    batches = act.batches.numpy()
+    batches = reading.batches.numpy()
     for ax, stat in zip(axes, shown, strict=True):
         ax.plot(batches, stats[stat].numpy())
         ax.set_title(stat.replace("_", "-"))
         ax.set_xlabel("training batch")
         ax.grid(alpha=0.3)
-    fig.suptitle(_module_title(act, module))
+    fig.suptitle(_module_title(reading, module))
     return _save(fig, path)
 
 
-def color_dim(act: ActivationStats, module: int | str, path: str | Path | None = None) -> Figure:
+def color_dim(reading: Reading, module: int | str, path: str | Path | None = None) -> Figure:
     """The histogram of one module over the batches as an image, counts on a log scale."""
-    counts = act.hist[act.module_index(module)].double().T  # bins x batches
-    batches = act.batches
+    counts = reading.hist[reading.module_index(module)].double().T  # bins x batches
+    batches = reading.batches
     fig = _figure(8, 4)
     ax = fig.subplots()
     extent = (
         (batches[0].item() - 0.5 if batches.numel() else 0),
         (batches[-1].item() + 0.5 if batches.numel() else 1),
-        act.hist_min,
-        act.hist_max,
+        reading.hist_min,
+        reading.hist_max,
     )
     image = ax.imshow(
         torch.log1p(counts).numpy(),
@@ -183,10 +177,10 @@ def color_dim(act: ActivationStats, module: int | str, path: str | Path | None =
     fig.colorbar(image, ax=ax, label="log(1 + count)")
     ax.set_xlabel("training batch")
     ax.set_ylabel("value")
-    ax.set_title(f"histogram over batches: {_module_title(act, module)}")
+    ax.set_title(f"histogram over batches: {_module_title(reading, module)}")
     return _save(fig, path)
 
 
-def _module_title(act: ActivationStats, module: int | str) -> str:
-    index = act.module_index(module)
-    return f"{act.module_names[index]} ({act.module_types[index]})"
+def _module_title(reading: Reading, module: int | str) -> str:
+    index = reading.module_index(module)
+    return f"{reading.module_names[index]} ({reading.module_types[index]})"

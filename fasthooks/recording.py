@@ -4,17 +4,16 @@ recorder that wrote it."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from .layout import STATS_PLANES
 from .parquet import read_folder
+from .reading import Reading
 
 
-class Recording:
+class Recording(Reading):
     """Recorded statistics of one kind held on the host, read-only: what `fasthooks.load` gives.
 
     The reading API is `ActivationStats`': `stats` `(2, rows, batches)`, `extra[name]`,
@@ -33,7 +32,7 @@ class Recording:
         order: torch.Tensor,
     ) -> None:
         self.kind = settings["kind"]
-        self.recorder = settings.get("recorder", "ActivationStats")
+        self.recorder = settings["recorder"]
         self.module_names = list(settings["names"])
         self.module_types = list(settings.get("types", [""] * len(self.module_names)))
         self.extra_names = tuple(settings["extra"])
@@ -54,46 +53,6 @@ class Recording:
         if self._hist is None:
             raise AttributeError("hist is recorded only with hist_bins > 0")
         return self._hist
-
-    def module_index(self, module: int | str) -> int:
-        from .arguments import module_position
-
-        return module_position(self.module_names, module)
-
-    def layer_stats(self, module: int | str) -> dict[str, torch.Tensor]:
-        index = self.module_index(module)
-        planes = {name: self.stats[i, index] for i, name in enumerate(STATS_PLANES)}
-        return {**planes, **{name: values[index] for name, values in self.extra.items()}}
-
-    def first_nonfinite(self) -> Any:
-        from .nonfinite import first_nonfinite
-
-        return first_nonfinite(self)
-
-    def summary(self, top: int = 10, window: int = 10) -> Any:
-        from .summary import summarize
-
-        return summarize(self, top, window)
-
-    def to_dataframe(self) -> Any:
-        from .export import long_table
-
-        return long_table(self)
-
-    def plot(self, path: str | Path | None = None) -> Any:
-        from .plot import overview
-
-        return overview(self, path)
-
-    def plot_layer_stats(self, module: int | str, path: str | Path | None = None) -> Any:
-        from .plot import layer_stats
-
-        return layer_stats(self, module, path)
-
-    def color_dim(self, module: int | str, path: str | Path | None = None) -> Any:
-        from .plot import color_dim
-
-        return color_dim(self, module, path)
 
     def __repr__(self) -> str:
         return (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +18,6 @@ from .arguments import (
     check_sink,
     check_window,
     count_argument,
-    module_position,
     uncompiled_name,
 )
 from .buffers import StatBuffers
@@ -27,9 +25,10 @@ from .column_store import ColumnStore
 from .distributed import all_reduce
 from .hook import HookCallback
 from .layout import COUNT
-from .nonfinite import NonFinite, NonFiniteWatch, first_nonfinite
+from .nonfinite import NonFiniteWatch
 from .ops import backend_for_device, resolve_backend
 from .outputs import measured_tensor
+from .reading import Reading
 from .window import ColumnWindow
 
 DEFAULT_CAPACITY = 64
@@ -80,7 +79,7 @@ class StatisticsError(RuntimeError):
     """Recording a module's statistics failed; the message names the module."""
 
 
-class ActivationStats(HookCallback):
+class ActivationStats(HookCallback, Reading):
     """Records statistics of each hooked module's output for every training batch.
 
     `stats` is a float32 CPU tensor of shape `(2, modules, batches)`: axis 0 is (mean, std),
@@ -298,6 +297,8 @@ class ActivationStats(HookCallback):
             **self._settings(),
             "types": self.module_types,
         }
+
+    recorder = "ActivationStats"
 
     @property
     def kind(self) -> str:
@@ -540,64 +541,6 @@ class ActivationStats(HookCallback):
         names = {m: uncompiled_name(name) for name, m in self.model.named_modules() if name}
         return [names.get(m, type(m).__name__) for m in self.resolve_modules()]
 
-    def module_index(self, module: int | str) -> int:
-        """The column of a hooked module, given its qualified name or an index (negative too)."""
-        return module_position(self.module_names, module)
-
-    def layer_stats(self, module: int | str) -> dict[str, torch.Tensor]:
-        """Every recorded statistic of one module, by column index or qualified name:
-        `(batches,)` CPU tensors "mean", "std" and each extra.
-
-        Examples:
-            >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-            >>> with ActivationStats(model, backend="python", extra=["max"]) as act:
-            ...     _ = model(torch.randn(8, 4))
-            ...     act.on_batch_end()
-            >>> sorted(act.layer_stats("2"))
-            ['max', 'mean', 'std']
-        """
-        index = self.module_index(module)
-        stats = self.stats
-        return {
-            "mean": stats[0, index],
-            "std": stats[1, index],
-            **{name: values[index] for name, values in self.extra.items()},
-        }
-
-    def to_dataframe(self) -> Any:
-        """Every recorded statistic as a pandas DataFrame in long format: columns `batch`,
-        `module`, `stat`, `value` (needs pandas: `pip install pandas`)."""
-        from .export import long_table
-
-        return long_table(self)
-
-    def plot(self, path: str | Path | None = None) -> Any:
-        """A heat map per statistic over modules and batches (a `matplotlib.figure.Figure`,
-        also saved as a PNG at `path` when given); readable from 3 to 300 modules."""
-        from .plot import overview
-
-        return overview(self, path)
-
-    def plot_layer_stats(self, module: int | str, path: str | Path | None = None) -> Any:
-        """Mean, std and near-zero fraction of one module over the batches, as a Figure."""
-        from .plot import layer_stats
-
-        return layer_stats(self, module, path)
-
-    def color_dim(self, module: int | str, path: str | Path | None = None) -> Any:
-        """One module's histogram over the batches as an image on a log scale, as a Figure;
-        needs `hist_bins > 0`."""
-        from .plot import color_dim
-
-        return color_dim(self, module, path)
-
-    def log_to_tensorboard(self, writer: Any, step: int | None = None) -> None:
-        """Write the newest recorded column of every statistic (and histogram) to the
-        `torch.utils.tensorboard.SummaryWriter` given, tagged with module names."""
-        from .export import log_to_tensorboard
-
-        log_to_tensorboard(self, writer, step)
-
     def __repr__(self) -> str:
         statistics = ["mean", "std", *self.extra_names] + (
             [f"hist({self.hist_bins})"] if self.hist_bins else []
@@ -633,33 +576,6 @@ class ActivationStats(HookCallback):
         if self._buffers is None:
             return torch.zeros(2, len(self.modules or ()), 0, dtype=torch.int64)
         return self._read("order")
-
-    def first_nonfinite(self) -> NonFinite | None:
-        """The first recorded call whose values held a NaN or an infinity, or None: a
-        `NonFinite(batch, module, direction, count, rank)`, the earliest batch and in it the
-        module called first. After `all_reduce`, the earliest over every rank, naming the rank.
-        `fasthooks.first_nonfinite(forward, backward)` compares several runs.
-
-        Examples:
-            >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
-            >>> with ActivationStats(model, backend="python", extra=["nonfinite"]) as act:
-            ...     for x in (1.0, float("nan")):
-            ...         _ = model(torch.full((3, 2), x))
-            ...         act.on_batch_end()
-            >>> act.first_nonfinite()
-            NonFinite(batch=1, module='0', direction='forward', count=6, rank=None)
-        """
-        return first_nonfinite(self)
-
-    def summary(self, top: int = 10, window: int = 10) -> Any:
-        """The `top` modules that look worst, most severe first, each with what was found and the
-        batch where it began: non-finite values; dead units (near-zero fraction at least 0.99,
-        or no spread, over the last `window` batches); std exploding or collapsing (10x against
-        the module's own first batches); kurtosis spikes. A `Summary`: printable as a table,
-        `.to_dataframe()` for pandas, iterable over its `Finding`s."""
-        from .summary import summarize
-
-        return summarize(self, top, window)
 
     @property
     def stats(self) -> torch.Tensor:

@@ -262,3 +262,74 @@ def test_a_killed_process_leaves_a_sink_that_loads(tmp_path):
     assert n >= 40
     assert loaded.batches.tolist() == list(range(n))  # every batch up to the last file
     assert not loaded.stats.isnan().any()  # no partial file: every loaded column is whole
+
+
+READING_API = (
+    "stats",
+    "extra",
+    "hist",
+    "batches",
+    "num_batches",
+    "module_names",
+    "module_types",
+    "call_order",
+    "metric_prefix",
+)
+
+
+def test_every_recording_has_the_same_reading_api(tmp_path):
+    pytest.importorskip("pandas")
+    model, xs = _model(), _inputs(6)
+    act = _record(model, xs, backend="python", window=4, sink=tmp_path / "act", **OPTIONS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ps = ParameterStats(model, opt, hist_bins=7, window=4, sink=tmp_path / "ps")
+    with ps:
+        for x in xs:
+            model(x).nan_to_num().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    readings = {
+        "act": act,
+        "ps": ps["grad"],
+        "loaded act": load(tmp_path / "act"),
+        "loaded ps": load(tmp_path / "ps", kind="grad"),
+    }
+    for name, reading in readings.items():
+        for attribute in READING_API:
+            assert getattr(reading, attribute) is not None, (name, attribute)
+        rows = len(reading.module_names)
+        held = len(reading.batches)
+        assert reading.stats.shape == (2, rows, held), name
+        assert reading.hist.shape == (rows, held, 7), name
+        assert set(reading.layer_stats(0)) >= {"mean", "std"}, name
+        assert len(reading.to_dataframe()) > 0, name
+        assert reading.summary() is not None, name
+        reading.first_nonfinite()
+    assert readings["ps"].metric_prefix == "parameters/grad"
+    assert readings["loaded ps"].metric_prefix == "parameters/grad"
+    assert _same(readings["loaded ps"].stats[:, :, -4:], readings["ps"].stats)
+    assert readings["act"].first_nonfinite() == readings["loaded act"].first_nonfinite()
+
+
+def test_newest_metrics_and_tensorboard_read_the_newest_held_column():
+    from fasthooks.export import newest_metrics
+
+    model, xs = _model(), _inputs(9)
+    act = _record(model, xs, backend="python", window=2, **OPTIONS)
+    metrics = newest_metrics(act)
+    assert metrics["activations/2/mean"] == act.stats[0, 1, -1].item()
+
+    class Writer:
+        def __init__(self):
+            self.scalars, self.histograms = {}, {}
+
+        def add_scalar(self, tag, value, step):
+            self.scalars[tag] = (value, step)
+
+        def add_histogram_raw(self, tag, global_step, **figures):
+            self.histograms[tag] = (figures["num"], global_step)
+
+    writer = Writer()
+    act.log_to_tensorboard(writer)
+    assert writer.scalars["activations/0/std"] == (act.stats[1, 0, -1].item(), 8)
+    assert writer.histograms["activations/0/hist"] == (int(act.hist[0, -1].sum()), 8)

@@ -1,0 +1,174 @@
+"""The reading API every recording shares: a live `ActivationStats`, one kind of a
+`ParameterStats` (`ps["grad"]`) and a `Recording` loaded from a sink all read alike, so summary,
+export, pictures and the non-finite report work on each of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .arguments import module_position
+from .layout import STATS_PLANES
+
+if TYPE_CHECKING:
+    from .column_store import ColumnStore
+
+
+class Reading:
+    """What reading needs from a recording (`stats`, `extra`, `hist`, `batches`, `num_batches`,
+    `module_names`, `module_types`, `call_order`, `rank_call_orders`, `kind`, `recorder`,
+    `is_forward`, `extra_names`, `hist_bins`, `hist_min`, `hist_max`), and all it derives."""
+
+    @property
+    def metric_prefix(self) -> str:
+        """The first part of a metric's tag: "activations", "gradients" or
+        "parameters/<kind>"."""
+        if self.recorder == "ParameterStats":
+            return f"parameters/{self.kind}"
+        return "activations" if self.is_forward else "gradients"
+
+    def module_index(self, module: int | str) -> int:
+        """The row of a module (or parameter), given its qualified name or an index."""
+        return module_position(self.module_names, module)
+
+    def layer_stats(self, module: int | str) -> dict[str, torch.Tensor]:
+        """Every recorded statistic of one row, by index or qualified name: `(batches,)` CPU
+        tensors "mean", "std" and each extra.
+
+        Examples:
+            >>> from torch import nn
+            >>> from fasthooks import ActivationStats
+            >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+            >>> with ActivationStats(model, backend="python", extra=["max"]) as act:
+            ...     _ = model(torch.randn(8, 4))
+            ...     act.on_batch_end()
+            >>> sorted(act.layer_stats("2"))
+            ['max', 'mean', 'std']
+        """
+        index = self.module_index(module)
+        stats = self.stats
+        planes = {name: stats[i, index] for i, name in enumerate(STATS_PLANES)}
+        return {**planes, **{name: values[index] for name, values in self.extra.items()}}
+
+    def first_nonfinite(self) -> Any:
+        """The first recorded call whose values held a NaN or an infinity, or None: a
+        `NonFinite(batch, module, direction, count, rank)`, the earliest batch and in it the
+        module called first. After `all_reduce`, the earliest over every rank, naming the rank.
+        `fasthooks.first_nonfinite(forward, backward)` compares several runs.
+
+        Examples:
+            >>> from torch import nn
+            >>> from fasthooks import ActivationStats
+            >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+            >>> with ActivationStats(model, backend="python", extra=["nonfinite"]) as act:
+            ...     for x in (1.0, float("nan")):
+            ...         _ = model(torch.full((3, 2), x))
+            ...         act.on_batch_end()
+            >>> act.first_nonfinite()
+            NonFinite(batch=1, module='0', direction='forward', count=6, rank=None)
+        """
+        from .nonfinite import first_nonfinite
+
+        return first_nonfinite(self)
+
+    def summary(self, top: int = 10, window: int = 10) -> Any:
+        """The `top` rows that look worst, most severe first, each with what was found and the
+        batch where it began: non-finite values; dead units (near-zero fraction at least 0.99,
+        or no spread, over the last `window` batches); std exploding or collapsing (10x against
+        the row's own first batches); kurtosis spikes. A `Summary`: printable as a table,
+        `.to_dataframe()` for pandas, iterable over its `Finding`s."""
+        from .summary import summarize
+
+        return summarize(self, top, window)
+
+    def to_dataframe(self) -> Any:
+        """Every recorded statistic as a pandas DataFrame in long format (needs pandas)."""
+        from .export import long_table
+
+        return long_table(self)
+
+    def plot(self, path: str | Path | None = None) -> Any:
+        """A heat map per statistic over rows and batches (a `matplotlib.figure.Figure`, also
+        saved as a PNG at `path` when given); readable from 3 to 300 rows."""
+        from .plot import overview
+
+        return overview(self, path)
+
+    def plot_layer_stats(self, module: int | str, path: str | Path | None = None) -> Any:
+        """Mean, std and near-zero fraction of one row over the batches, as a Figure."""
+        from .plot import layer_stats
+
+        return layer_stats(self, module, path)
+
+    def color_dim(self, module: int | str, path: str | Path | None = None) -> Any:
+        """One row's histogram over the batches as an image on a log scale, as a Figure;
+        needs `hist_bins > 0`."""
+        from .plot import color_dim
+
+        return color_dim(self, module, path)
+
+    def log_to_tensorboard(self, writer: Any, step: int | None = None) -> None:
+        """Write the newest recorded column of every statistic (and histogram) to the
+        `torch.utils.tensorboard.SummaryWriter` given, tagged `<metric_prefix>/<name>/<stat>`;
+        `step` defaults to that column's batch."""
+        from .export import log_to_tensorboard
+
+        log_to_tensorboard(self, writer, step)
+
+
+class KindReading(Reading):
+    """One kind of a `ParameterStats` run ("weight", "grad", "update") with the reading API of
+    `ActivationStats`: rows are parameters, columns optimizer steps.
+
+    Examples:
+        >>> from torch import nn
+        >>> from fasthooks import ParameterStats
+        >>> model = nn.Sequential(nn.Linear(4, 2))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with ParameterStats(model, opt, backend="python") as ps:
+        ...     model(torch.randn(8, 4)).sum().backward()
+        ...     opt.step()
+        >>> ps["grad"].layer_stats("0.bias")["norm"].shape
+        torch.Size([1])
+    """
+
+    recorder = "ParameterStats"
+    is_forward = True
+    rank_call_orders = None
+
+    def __init__(self, store: ColumnStore, kind: str, settings: dict[str, Any]) -> None:
+        self._store, self.kind = store, kind
+        self.module_names = list(settings["names"])
+        self.module_types = list(settings["types"])
+        self.extra_names = tuple(settings["extra"])
+        self.hist_bins = settings["hist_bins"]
+        self.hist_min, self.hist_max = settings["hist_range"]
+
+    @property
+    def num_batches(self) -> int:
+        return self._store.num_batches
+
+    @property
+    def batches(self) -> torch.Tensor:
+        return self._store.batches
+
+    @property
+    def stats(self) -> torch.Tensor:
+        return self._store.read(self.kind, "stats")
+
+    @property
+    def extra(self) -> dict[str, torch.Tensor]:
+        return self._store.extra(self.kind, self.extra_names)
+
+    @property
+    def hist(self) -> torch.Tensor:
+        if not self.hist_bins:
+            raise AttributeError("hist is recorded only with hist_bins > 0")
+        return self._store.read(self.kind, "hist")
+
+    @property
+    def call_order(self) -> torch.Tensor:
+        """No call order: a step's parameters are measured in one call (zeros)."""
+        return torch.zeros(2, len(self.module_names), len(self.batches), dtype=torch.int64)
