@@ -11,7 +11,7 @@ from conftest import assert_same_recording, framework, record_steps
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fasthooks import ActivationStats, NonFinite, NonFiniteError
+from fasthooks import ActivationStats, NonFinite, NonFiniteError, load
 
 pl = framework("lightning.pytorch")
 from fasthooks.integrations.lightning import ActivationStatsCallback  # noqa: E402
@@ -86,6 +86,24 @@ def test_newest_column_goes_to_the_trainers_logger_every_n_steps(tmp_path):
         assert float(row["activations/net.2/max"]) == pytest.approx(
             float(act.extra["max"][1, column])
         )
+
+
+def test_a_window_logs_its_newest_column_and_sinks_under_the_log_dir(tmp_path):
+    pytest.importorskip("pyarrow")
+    callback = ActivationStatsCallback(log_every_n_steps=4, extra=["max"], window=3)
+    logger = pl.loggers.CSVLogger(tmp_path, name="run")
+    trainer, _ = _fit(callback, logger=logger, max_epochs=1)
+    act = callback.activation_stats
+    assert act.num_batches == 15 and act.batches.tolist() == [12, 13, 14]
+    with open(logger.log_dir + "/metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("activations/net.2/max")]
+    assert [int(row["step"]) for row in rows] == [4, 8, 12]
+    loaded = load(Path(trainer.log_dir) / "fasthooks" / "activations")
+    assert loaded.batches.tolist() == list(range(15))
+    assert float(rows[-1]["activations/net.2/max"]) == pytest.approx(
+        float(loaded.extra["max"][1, 11])
+    )
+    assert torch.equal(loaded.stats[:, :, -3:], act.stats)
 
 
 def test_log_every_zero_logs_nothing(tmp_path):

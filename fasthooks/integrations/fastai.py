@@ -29,8 +29,9 @@ class ActivationStatsCallback(RecordingCallback, Callback):
     when a process group is initialised, every rank's statistics merged (`all_reduce`). fastai
     tells callbacks nothing of other exceptions: run `learn.fit` inside `with callback:` to
     remove the hooks then too. With `on_nonfinite="raise"` the fit is cancelled after the step
-    where it was found and `learn.fit` raises `NonFiniteError`. On the learner it is
-    `learn.fasthooks`; the live object is `.activation_stats`.
+    where it was found and `learn.fit` raises `NonFiniteError`. With `window=` and no `sink=`,
+    every column also goes to `<learn.path>/fasthooks/activations` (`fasthooks.load` reads it).
+    On the learner it is `learn.fasthooks`; the live object is `.activation_stats`.
     """
 
     def __init__(self, log_every_n_steps: int = DEFAULT_LOG_EVERY_N_STEPS, **kwargs: Any) -> None:
@@ -44,7 +45,7 @@ class ActivationStatsCallback(RecordingCallback, Callback):
 
     def before_fit(self) -> None:
         learn = self.learn
-        self._recorder.begin(learn.model, learn.n_epoch * len(learn.dls.train))
+        self._recorder.begin(learn.model, learn.n_epoch * len(learn.dls.train), learn.path)
         self._step_cancelled = False
 
     def after_cancel_step(self) -> None:

@@ -28,7 +28,9 @@ class ActivationStatsCallback(RecordingCallback, pl.Callback):
     exception, hooks are removed and the statistics so far kept. With `on_nonfinite="raise"`
     the fit stops after the step where it was found and `trainer.fit` raises `NonFiniteError`.
     The statistics are saved in the trainer's checkpoints, and a fit resumed from one
-    (`ckpt_path=`) continues their columns. The live object is `.activation_stats`.
+    (`ckpt_path=`) continues their columns. With `window=` and no `sink=`, every column also
+    goes to `<trainer.log_dir>/fasthooks/activations` (`fasthooks.load` reads it). The live
+    object is `.activation_stats`.
     """
 
     def __init__(self, log_every_n_steps: int | None = None, **kwargs: Any) -> None:
@@ -37,7 +39,7 @@ class ActivationStatsCallback(RecordingCallback, pl.Callback):
         self._last_step = 0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._recorder.begin(pl_module, trainer.estimated_stepping_batches)
+        self._recorder.begin(pl_module, trainer.estimated_stepping_batches, trainer.log_dir)
         self._last_step = trainer.global_step
 
     def on_train_batch_end(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -36,13 +37,20 @@ class FitRecorder:
         self.stopped_by: NonFiniteError | None = None
         self._steps = 0
 
-    def begin(self, model: nn.Module, estimated_steps: float | None) -> None:
-        """Hook `model` for a new fit; the buffers hold the framework's estimate of its steps."""
+    def begin(
+        self, model: nn.Module, estimated_steps: float | None, log_dir: str | None = None
+    ) -> None:
+        """Hook `model` for a new fit; the buffers hold the framework's estimate of its steps.
+        With `window=` and no `sink=`, the columns go to a folder under the framework's
+        `log_dir` (when it has one): `<log_dir>/fasthooks/activations` (or `gradients`)."""
         self.abort()
         options = dict(self.options)
         if "expected_batches" not in options and _usable(estimated_steps):
             every = options.get("every", 1)
             options["expected_batches"] = max(1, math.ceil(estimated_steps / every))
+        if options.get("window") is not None and options.get("sink") is None and log_dir:
+            what = "activations" if options.get("is_forward", True) else "gradients"
+            options["sink"] = Path(log_dir) / "fasthooks" / what
         self.activation_stats = ActivationStats(model, **options)
         if self.resume is not None:
             self.activation_stats.load_state_dict(self.resume)

@@ -72,7 +72,9 @@ class ActivationStatsCallback(RecordingCallback, TrainerCallback):
     were logged. Each checkpoint folder gets the statistics so far (`STATE_FILE`), and training
     resumed from a checkpoint in `output_dir` continues their columns. With
     `on_nonfinite="raise"` training stops after the step where it was found and
-    `trainer.train()` raises `NonFiniteError`. The live object is `.activation_stats`.
+    `trainer.train()` raises `NonFiniteError`. With `window=` and no `sink=`, every column
+    also goes to `<logging_dir>/fasthooks/activations` (`fasthooks.load` reads it). The live
+    object is `.activation_stats`.
     """
 
     def __init__(self, log_every_n_steps: int | None = None, **kwargs: Any) -> None:
@@ -94,7 +96,7 @@ class ActivationStatsCallback(RecordingCallback, TrainerCallback):
                     RuntimeWarning,
                     stacklevel=2,
                 )
-        self._recorder.begin(kwargs["model"], state.max_steps)
+        self._recorder.begin(kwargs["model"], state.max_steps, args.logging_dir or args.output_dir)
         self._pending = None
 
     def on_save(
