@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cpu/capability.h"
+#include "schemas.h"
 #include "stats.h"
 
 namespace fasthooks {
@@ -28,15 +29,8 @@ std::string layout() {
 }  // namespace fasthooks
 
 STABLE_TORCH_LIBRARY(fasthooks, m) {
-  m.def(
-      "accumulate_stats(Tensor x, Tensor(a!) state, Tensor(b!) stats, Tensor(c!) extra, "
-      "Tensor(d!) hist, Tensor(e!) workspace, Tensor(f!) order, Tensor(g!) clock, "
-      "Tensor cursor, int slot, float near_zero, float hist_min, float hist_max) -> ()");
-  // xs[i] into slot i; with bases, the statistics of xs[i] - bases[i] (parameters' updates).
-  m.def(
-      "accumulate_stats_list(Tensor[] xs, Tensor[] bases, Tensor(a!) state, Tensor(b!) stats, "
-      "Tensor(c!) extra, Tensor(d!) hist, Tensor(e!) workspace, Tensor cursor, float near_zero, "
-      "float hist_min, float hist_max) -> ()");
+  m.def(fasthooks::kAccumulateStatsSchema);
+  m.def(fasthooks::kAccumulateStatsListSchema);
   m.def("cpu_capability() -> str");
   m.def("layout() -> str");
 }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "../dtype_dispatch.h"
 #include "capability.h"
 
 namespace fasthooks {
@@ -179,34 +180,33 @@ Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const 
   return call;
 }
 
-// One tensor's statistics (of x, or of x - *base) into slot (slot, cursor); returns the call's own
-// (none for an empty x).
-Stats accumulate_one(const Tensor& x, const Tensor* base, const Tensor& state, const Tensor& stats,
-                     const Tensor& extra, const Tensor& hist, const Tensor& cursor, int64_t slot,
-                     bool full, double near_zero, double hist_min, double hist_max) {
+// A kernel table's kernels for values of type T, and those for their differences (taken in the
+// accumulation type).
+const auto& kernels_of(const ChunkKernels& k, DtypeTag<float>) { return k.f32; }
+const auto& kernels_of(const ChunkKernels& k, DtypeTag<double>) { return k.f64; }
+const auto& kernels_of(const ChunkKernels& k, DtypeTag<torch::headeronly::Half>) { return k.f16; }
+const auto& kernels_of(const ChunkKernels& k, DtypeTag<torch::headeronly::BFloat16>) {
+  return k.bf16;
+}
+const auto& difference_kernels_of(const ChunkKernels& k, DtypeTag<double>) { return k.f64; }
+template <typename T>
+const auto& difference_kernels_of(const ChunkKernels& k, DtypeTag<T>) {
+  return k.f32;
+}
+
+// One tensor's statistics (of dense, or of dense - *base, both read in one order) into slot
+// (slot, cursor); returns the call's own (none for an empty tensor).
+Stats accumulate_one(const Tensor& dense, const Tensor* base, const Tensor& state,
+                     const Tensor& stats, const Tensor& extra, const Tensor& hist,
+                     const Tensor& cursor, int64_t slot, bool full, double near_zero,
+                     double hist_min, double hist_max) {
   const Destination to = destination(state, stats, extra, hist, cursor, slot, full);
-  if (x.numel() == 0) return {};
-  Tensor dense = dense_values(x);
-  Tensor dense_base;
-  if (base != nullptr) {
-    DensePair pair = dense_pair(x, *base, static_cast<size_t>(slot));
-    dense = pair.x;
-    dense_base = pair.base;
-  }
-  const Tensor* b = base != nullptr ? &dense_base : nullptr;
+  if (dense.numel() == 0) return {};
   const ChunkKernels& k = cpu_kernels();
-  switch (dtype_of(dense)) {
-    case ScalarType::Float:
-      return accumulate(dense, b, k.f32, k.f32, full, to, near_zero, hist, hist_min, hist_max);
-    case ScalarType::Double:
-      return accumulate(dense, b, k.f64, k.f64, full, to, near_zero, hist, hist_min, hist_max);
-    case ScalarType::Half:
-      return accumulate(dense, b, k.f16, k.f32, full, to, near_zero, hist, hist_min, hist_max);
-    case ScalarType::BFloat16:
-      return accumulate(dense, b, k.bf16, k.f32, full, to, near_zero, hist, hist_min, hist_max);
-    default:
-      fail("accumulate_stats: unsupported dtype ", dense.scalar_type());
-  }
+  return dispatch_dtype(dtype_of(dense), [&](auto tag) {
+    return accumulate(dense, base, kernels_of(k, tag), difference_kernels_of(k, tag), full, to,
+                      near_zero, hist, hist_min, hist_max);
+  });
 }
 
 // Takes the call clock's next position and notes the call at (slot, cursor) of the order buffer.
@@ -233,8 +233,8 @@ void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& st
   const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
                                           hist_min, hist_max);
   const bool ordered = check_call_order(order, clock, state);
-  const Stats call = accumulate_one(x, nullptr, state, stats, extra, hist, cursor, slot, full,
-                                    near_zero, hist_min, hist_max);
+  const Stats call = accumulate_one(dense_values(x), nullptr, state, stats, extra, hist, cursor,
+                                    slot, full, near_zero, hist_min, hist_max);
   if (ordered && call.count > 0) note_order(order, clock, cursor, slot, full, call);
 }
 
@@ -244,14 +244,22 @@ void accumulate_stats_list_cpu(std::vector<Tensor> xs, std::vector<Tensor> bases
                                double near_zero, double hist_min, double hist_max) {
   check_list_lengths(xs, bases, state);
   bool full = false;
+  // Each tensor (and base) as it is read: checked, then counted, with no second look.
+  std::vector<Tensor> dense, dense_bases;
   for (size_t i = 0; i < xs.size(); ++i) {  // every tensor checked before any is counted
     full = check_accumulate_args(xs[i], state, stats, extra, hist, workspace, cursor,
                                  static_cast<int64_t>(i), hist_min, hist_max);
-    if (!bases.empty()) dense_pair(xs[i], bases[i], i);
+    if (bases.empty()) {
+      dense.push_back(dense_values(xs[i]));
+    } else {
+      DensePair pair = dense_pair(xs[i], bases[i], i);
+      dense.push_back(pair.x);
+      dense_bases.push_back(pair.base);
+    }
   }
   for (size_t i = 0; i < xs.size(); ++i) {
-    accumulate_one(xs[i], bases.empty() ? nullptr : &bases[i], state, stats, extra, hist, cursor,
-                   static_cast<int64_t>(i), full, near_zero, hist_min, hist_max);
+    accumulate_one(dense[i], bases.empty() ? nullptr : &dense_bases[i], state, stats, extra, hist,
+                   cursor, static_cast<int64_t>(i), full, near_zero, hist_min, hist_max);
   }
 }
 

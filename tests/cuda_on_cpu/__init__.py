@@ -1,9 +1,12 @@
-"""The CUDA kernels' device code, run on the CPU: a door with the operator's signature.
+"""The CUDA operator run on the CPU: its host side and its kernels' device code.
 
-`harness.cpp` compiles `csrc/cuda/accumulate_kernel.cuh` (the file nvcc compiles) for the host
-against `device_api.h`, an emulation of the CUDA device API; `accumulate` here calls it on CPU
-tensors as `torch.ops.fasthooks.accumulate_stats` would on CUDA ones. The library is built on
-first use with the host's C++ compiler into build/cuda-on-cpu/, named by a hash of its sources.
+`harness.cpp` compiles `csrc/cuda/operator_host.h` (the host side accumulate_cuda.cu uses) over an
+emulated device and `csrc/cuda/accumulate_kernel.cuh` (the file nvcc compiles) against
+`device_api.h`, an emulation of the CUDA device API, and registers them as
+`torch.ops.fasthooks_cuda_on_cpu.accumulate_stats(_list)`, with fasthooks._C's schemas, for CPU
+tensors: the CUDA operator's own checks, dense-or-copy choices, grouping by dtype and launch
+plans run here. The library is built on first use with the host's C++ compiler into
+build/cuda-on-cpu/, named by a hash of its sources.
 """
 
 from __future__ import annotations
@@ -23,36 +26,30 @@ HERE = Path(__file__).resolve().parent
 SOURCES = [
     HERE / "harness.cpp",
     HERE / "device_api.h",
+    ROOT / "csrc" / "checks.cpp",
     *sorted((ROOT / "csrc" / "cuda").glob("*.cuh")),
     *sorted((ROOT / "csrc" / "cuda").glob("*.h")),
     *sorted((ROOT / "csrc").glob("*.h")),
 ]
 BUILD = ROOT / "build" / "cuda-on-cpu"
 DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
-# An H100 or H200: 132 multiprocessors, each holding kMinBlocksPerSM blocks of the kernels.
-MULTIPROCESSORS = 132
 COUNT_NAMES = ("launches", "blocks", "barriers", "warp_ops", "lane_splits", "errors")
 
-_P, _I64, _INT, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "harness_workspace_doubles": ([], _I64),
     "harness_max_blocks": ([], _I64),
     "harness_regions": ([], _I64),
     "harness_min_blocks_per_sm": ([], _I64),
+    "harness_resident_blocks": ([], _I64),
     "harness_options": ([_INT, _INT, ctypes.c_ulonglong], None),
     "harness_counts": ([_P], None),
     "harness_last_error": ([], ctypes.c_char_p),
     "harness_break_a_rule": ([_INT], None),
     "harness_plan": ([_INT, _P, _I64, _I64, _P], None),
     "harness_region_of": ([_P, ctypes.c_ulonglong, _INT, ctypes.c_char_p, _I64], _I64),
-    "harness_accumulate_list": (
-        [_INT, _P, _P, _P, _P, _I64, *[_P] * 6, *[_I64] * 4, _INT, _D, _D, _D, _I64],
-        _INT,
-    ),
-    "harness_accumulate": (
-        [_INT, _P, _P, _I64, *[_P] * 8, *[_I64] * 5, _INT, _D, _D, _D, _I64],
-        _INT,
-    ),
+    "harness_set_stream": ([ctypes.c_ulonglong], None),
+    "harness_set_resident": ([_I64], None),
 }
 _library: ctypes.CDLL | None = None
 _workspaces: dict[int, torch.Tensor] = {}
@@ -60,16 +57,6 @@ _workspaces: dict[int, torch.Tensor] = {}
 
 class DeviceCodeError(AssertionError):
     """The emulation saw the device code break a rule of CUDA (see device_api.h)."""
-
-
-def _dense(x: torch.Tensor) -> bool:
-    """Whether x's elements fill a block of memory, in any order (as csrc/checks.cpp decides)."""
-    expected = 1
-    for stride, size in sorted((t, s) for s, t in zip(x.shape, x.stride(), strict=True) if s != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _build() -> Path:
@@ -85,10 +72,13 @@ def _build() -> Path:
     BUILD.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.tmp")
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{ROOT / 'csrc'}"]
+    torch_lib = Path(torch.__file__).parent / "lib"
     # Fortified longjmp refuses to jump between stacks, which is how fibers switch.
     flags = ["-O2", "-U_FORTIFY_SOURCE", "-std=c++20", "-shared", "-fPIC", "-pthread"]
-    command = [compiler, *flags, *includes]
-    command += [str(HERE / "harness.cpp"), "-o", str(partial)]
+    flags.append("-fvisibility=hidden")
+    sources = [str(HERE / "harness.cpp"), str(ROOT / "csrc" / "checks.cpp")]
+    links = [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-ltorch_cpu", "-lc10"]
+    command = [compiler, *flags, *includes, *sources, *links, "-o", str(partial)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"building the CUDA-on-CPU harness failed:\n{done.stderr[-4000:]}")
@@ -97,10 +87,12 @@ def _build() -> Path:
 
 
 def library() -> ctypes.CDLL:
-    """The harness library, built on first use."""
+    """The harness library, built on first use; loading it registers its operators."""
     global _library
     if _library is None:
-        lib = ctypes.CDLL(str(_build()))
+        path = str(_build())
+        torch.ops.load_library(path)
+        lib = ctypes.CDLL(path)
         for name, (args, result) in _SIGNATURES.items():
             getattr(lib, name).argtypes = args
             getattr(lib, name).restype = result
@@ -114,7 +106,7 @@ def workspace_doubles() -> int:
 
 def resident_blocks() -> int:
     """The blocks a launch gets on an H100 or H200 at the kernels' occupancy, as on the GPU."""
-    return MULTIPROCESSORS * library().harness_min_blocks_per_sm()
+    return library().harness_resident_blocks()
 
 
 def configure(workers: int = 4, split_lanes: bool = False, seed: int = 1) -> None:
@@ -163,6 +155,20 @@ def workspace_for(state: torch.Tensor) -> torch.Tensor:
     return _workspaces[key]
 
 
+def _run(operator: str, *args: object, stream: int, resident: int | None) -> None:
+    """One call of an emulated operator from `stream`, DeviceCodeError when a rule broke."""
+    lib = library()
+    errors = counts()["errors"]
+    lib.harness_set_stream(stream)
+    lib.harness_set_resident(resident or 0)
+    try:
+        getattr(torch.ops.fasthooks_cuda_on_cpu, operator)(*args)
+    finally:
+        lib.harness_set_resident(0)
+    if counts()["errors"] != errors:
+        raise DeviceCodeError(lib.harness_last_error().decode())
+
+
 def accumulate(
     x: torch.Tensor,
     state: torch.Tensor,
@@ -182,52 +188,21 @@ def accumulate(
     stream: int = 0,
     resident: int | None = None,
 ) -> None:
-    """`accumulate_stats` through the CUDA kernels, on CPU tensors (with `base`, the statistics
-    of x - base, as `accumulate_stats_list` takes them); `stream` stands for the CUDA stream of
-    the call. An empty `workspace` (CPU buffers) is replaced by one kept for `state`. Raises
-    DeviceCodeError when the emulation saw a rule of CUDA broken."""
+    """`accumulate_stats` through the CUDA operator, on CPU tensors (with `base`, the statistics
+    of x - base, through `accumulate_stats_list` as parameters' updates take them); `stream`
+    stands for the CUDA stream of the call. An empty `workspace` (CPU buffers) is replaced by one
+    kept for `state`. Raises DeviceCodeError when the emulation saw a rule of CUDA broken."""
     if workspace.numel() == 0:
         workspace = workspace_for(state)
-    if workspace.numel() != workspace_doubles() or workspace.dtype != torch.float64:
-        raise ValueError(f"workspace must be {workspace_doubles()} float64 values")
-    bins = hist.shape[2] if hist.numel() > 0 else 0
-    if x.numel() == 0:
+    options = (near_zero, hist_min, hist_max)
+    if base is None:
+        args = (x, state, stats, extra, hist, workspace, order, clock, cursor, slot, *options)
+        _run("accumulate_stats", *args, stream=stream, resident=resident)
         return
-    dense = x if x.is_contiguous() or _dense(x) else x.contiguous()
-    if base is not None:  # read in one order, as csrc/checks.cpp's dense_pair
-        same_order = base.stride() == x.stride() and dense is x
-        dense, base = (x, base) if same_order else (x.contiguous(), base.contiguous())
-    full = state.shape[0] == 9
-    lib = library()
-    errors = counts()["errors"]
-    status = lib.harness_accumulate(
-        DTYPES[dense.dtype],
-        dense.data_ptr(),
-        None if base is None else base.data_ptr(),
-        dense.numel(),
-        state.data_ptr(),
-        stats.data_ptr(),
-        extra.data_ptr() if full else None,
-        hist.data_ptr() if bins else None,
-        order.data_ptr() if order.numel() else None,
-        clock.data_ptr() if order.numel() else None,
-        cursor.data_ptr(),
-        workspace.data_ptr(),
-        region_of(workspace, stream),
-        slot,
-        state.shape[1],
-        state.shape[2],
-        bins,
-        int(full),
-        near_zero,
-        hist_min,
-        hist_max,
-        resident or resident_blocks(),
-    )
-    if status != 0:
-        raise ValueError(f"unsupported dtype {dense.dtype}")
-    if counts()["errors"] != errors:
-        raise DeviceCodeError(lib.harness_last_error().decode())
+    empty = x.new_empty(0)
+    xs, bases = [empty] * slot + [x], [empty] * slot + [base]
+    args = (xs, bases, state, stats, extra, hist, workspace, cursor, *options)
+    _run("accumulate_stats_list", *args, stream=stream, resident=resident)
 
 
 def accumulate_list(
@@ -245,55 +220,8 @@ def accumulate_list(
     *,
     stream: int = 0,
 ) -> None:
-    """`accumulate_stats_list` through the CUDA list kernel: the non-empty tensors grouped by
-    dtype, each group in launches of up to 64 tensors, as the host code does."""
+    """`accumulate_stats_list` through the CUDA operator's list path, on CPU tensors."""
     if workspace.numel() == 0:
         workspace = workspace_for(state)
-    groups: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor | None, int]]] = {}
-    for slot, x in enumerate(xs):
-        if x.numel() == 0:
-            continue
-        base = bases[slot] if bases else None
-        if base is not None and not (base.stride() == x.stride() and _dense(x)):
-            x, base = x.contiguous(), base.contiguous()
-        elif base is None and not (x.is_contiguous() or _dense(x)):
-            x = x.contiguous()
-        groups.setdefault(x.dtype, []).append((x, base, slot))
-    lib = library()
-    errors = counts()["errors"]
-    region = region_of(workspace, stream)
-    for dtype, members in groups.items():
-        count = len(members)
-        pointers = (ctypes.c_void_p * count)(*[x.data_ptr() for x, _, _ in members])
-        base_pointers = (ctypes.c_void_p * count)(
-            *[b.data_ptr() for _, b, _ in members if b is not None]
-        )
-        sizes = (ctypes.c_int64 * count)(*[x.numel() for x, _, _ in members])
-        slots = (ctypes.c_int64 * count)(*[slot for _, _, slot in members])
-        full = state.shape[0] == 9
-        bins = hist.shape[2] if hist.numel() > 0 else 0
-        lib.harness_accumulate_list(
-            DTYPES[dtype],
-            pointers,
-            base_pointers if bases else None,
-            sizes,
-            slots,
-            count,
-            state.data_ptr(),
-            stats.data_ptr(),
-            extra.data_ptr() if full else None,
-            hist.data_ptr() if bins else None,
-            cursor.data_ptr(),
-            workspace.data_ptr(),
-            region,
-            state.shape[1],
-            state.shape[2],
-            bins,
-            int(full),
-            near_zero,
-            hist_min,
-            hist_max,
-            resident_blocks(),
-        )
-    if counts()["errors"] != errors:
-        raise DeviceCodeError(lib.harness_last_error().decode())
+    args = (xs, bases, state, stats, extra, hist, workspace, cursor, near_zero, hist_min, hist_max)
+    _run("accumulate_stats_list", *args, stream=stream, resident=None)

@@ -1,46 +1,54 @@
-// The CUDA kernels of fasthooks (csrc/cuda/accumulate_kernel.cuh, the file nvcc compiles) built
-// for the host against device_api.h, with a C interface for tests/cuda_on_cpu/__init__.py. The
-// host side restates only what needs a GPU in accumulate_cuda.cu: the resident-block count is an
-// argument here, and the stream a call comes from is a number.
+// The CUDA operator of fasthooks built for the host: its host side (csrc/cuda/operator_host.h,
+// the file accumulate_cuda.cu uses) over an emulated device, and its kernels
+// (csrc/cuda/accumulate_kernel.cuh, the file nvcc compiles) against device_api.h. The operators
+// are registered as fasthooks_cuda_on_cpu::accumulate_stats(_list), with the schemas of
+// fasthooks._C, on CPU tensors; a C interface serves tests/cuda_on_cpu/__init__.py the rest. The
+// stream a call comes from is a number set per thread, and the resident-block count is that of an
+// H100 or H200 unless set.
 // The emulation first: the kernels' header uses what it defines.
 #include "device_api.h"
 
+#include <torch/csrc/stable/library.h>
+
+#include <atomic>
 #include <cstdio>
 #include <exception>
 
-#include "cuda/accumulate_kernel.cuh"
-#include "cuda/stream_regions.h"
+#include "cuda/operator_host.h"
+#include "schemas.h"
 
 namespace {
 
 using namespace fasthooks::cuda;
 
-template <typename T>
-void run(const void* data, const void* base_data, int64_t n, const Buffers& buffers, bool full,
-         int64_t resident) {
-  const T* x = static_cast<const T*>(data);
-  const T* base = static_cast<const T*>(base_data);
-  with_kernel<T>(full, buffers.bins > 0, base != nullptr, [&](auto kernel_of, size_t shared) {
-    const LaunchPlan plan = plan_launch(x, base, n, resident);
-    cuda_on_cpu::launch(decltype(kernel_of)::kernel, static_cast<unsigned>(plan.blocks), kThreads,
-                        shared, x, base, n, plan.head, buffers);
-  });
-}
+// An H100 or H200: 132 multiprocessors, each holding kMinBlocksPerSM blocks of the kernels.
+constexpr int64_t kMultiprocessors = 132;
+thread_local unsigned long long current_stream_number = 0;
+std::atomic<int64_t> resident_override{0};
 
-template <typename T>
-void run_list(const void* const* data, const void* const* base_data, const int64_t* n,
-              const int64_t* slot, int64_t count, const Buffers& buffers, bool full,
-              int64_t resident) {
-  const auto* x = reinterpret_cast<const T* const*>(data);
-  const auto* base = reinterpret_cast<const T* const*>(base_data);
-  with_kernel<T, true>(full, buffers.bins > 0, base != nullptr, [&](auto kernel_of, size_t shared) {
-    for_each_table(x, base, n, slot, count, resident, [&](const TensorTable& table) {
-      cuda_on_cpu::launch(decltype(kernel_of)::kernel,
-                          static_cast<unsigned>(table.first_block[table.count]), kThreads, shared,
-                          table, buffers);
-    });
-  });
-}
+// What operator_host.h needs of a GPU, emulated: streams are numbers, launches run on fibers.
+struct Emulated {
+  using Stream = unsigned long long;
+  struct Guard {
+    explicit Guard(int) {}
+  };
+
+  static Stream current_stream(int) { return current_stream_number; }
+  static CallOrigin origin_of(Stream stream) { return {static_cast<uintptr_t>(stream), false}; }
+
+  template <auto Kernel>
+  static int64_t resident_blocks(size_t, int) {
+    const int64_t resident = resident_override.load();
+    return resident > 0 ? resident : kMultiprocessors * kMinBlocksPerSM;
+  }
+
+  template <typename Kernel, typename... Args>
+  static void launch(Kernel kernel, int64_t blocks, size_t shared, Stream, Args... args) {
+    cuda_on_cpu::launch(kernel, static_cast<unsigned>(blocks), kThreads, shared, args...);
+  }
+};
+
+using Host = OperatorHost<Emulated>;
 
 // Kernels that break a rule of CUDA, to show that the emulation catches each.
 __global__ void shuffle_outside_its_mask() {
@@ -66,6 +74,8 @@ StreamRegions& regions() {
 
 }  // namespace
 
+// The C interface is what the library exports; everything else is hidden, as in fasthooks._C.
+#pragma GCC visibility push(default)
 extern "C" {
 
 int64_t harness_workspace_doubles() { return kWorkspaceDoubles; }
@@ -115,64 +125,21 @@ int64_t harness_region_of(const void* workspace, unsigned long long stream, int 
   }
 }
 
-// One call of the operator's CUDA path on CPU memory: x's statistics, or with a base (else null)
-// those of x - base, noted in the call order when `order` (and then `clock`) is given.
-// dtype: 0 float32, 1 float64, 2 float16, 3 bfloat16.
-int harness_accumulate(int dtype, const void* x, const void* base, int64_t n, double* state,
-                       float* stats, float* extra, int64_t* hist, int64_t* order, int64_t* clock,
-                       const int64_t* cursor, double* workspace, int64_t region, int64_t slot,
-                       int64_t modules, int64_t capacity, int64_t bins, int full, double near_zero,
-                       double hist_min, double hist_max, int64_t resident) {
-  if (n == 0) return 0;
-  Buffers b = buffers_for(state, stats, extra, hist, cursor, workspace, region, slot, modules,
-                          capacity, bins, near_zero, hist_min, hist_max);
-  b.order = order;
-  b.clock = reinterpret_cast<unsigned long long*>(clock);
-  switch (dtype) {
-    case 0:
-      run<float>(x, base, n, b, full != 0, resident);
-      return 0;
-    case 1:
-      run<double>(x, base, n, b, full != 0, resident);
-      return 0;
-    case 2:
-      run<torch::headeronly::Half>(x, base, n, b, full != 0, resident);
-      return 0;
-    case 3:
-      run<torch::headeronly::BFloat16>(x, base, n, b, full != 0, resident);
-      return 0;
-    default:
-      return 1;
-  }
-}
-
-// The list kernel over `count` non-empty tensors of one dtype (their slots in `slot`), bases
-// null or one per tensor, as accumulate_stats_list launches it for each dtype.
-int harness_accumulate_list(int dtype, const void* const* x, const void* const* base,
-                            const int64_t* n, const int64_t* slot, int64_t count, double* state,
-                            float* stats, float* extra, int64_t* hist, const int64_t* cursor,
-                            double* workspace, int64_t region, int64_t modules, int64_t capacity,
-                            int64_t bins, int full, double near_zero, double hist_min,
-                            double hist_max, int64_t resident) {
-  if (count == 0) return 0;
-  const Buffers b = buffers_for(state, stats, extra, hist, cursor, workspace, region, 0, modules,
-                                capacity, bins, near_zero, hist_min, hist_max);
-  switch (dtype) {
-    case 0:
-      run_list<float>(x, base, n, slot, count, b, full != 0, resident);
-      return 0;
-    case 1:
-      run_list<double>(x, base, n, slot, count, b, full != 0, resident);
-      return 0;
-    case 2:
-      run_list<torch::headeronly::Half>(x, base, n, slot, count, b, full != 0, resident);
-      return 0;
-    case 3:
-      run_list<torch::headeronly::BFloat16>(x, base, n, slot, count, b, full != 0, resident);
-      return 0;
-    default:
-      return 1;
-  }
-}
+// The stream number the calls of this thread come from, and the blocks a launch gets (0: those
+// of an H100 or H200).
+void harness_set_stream(unsigned long long stream) { current_stream_number = stream; }
+void harness_set_resident(int64_t resident) { resident_override = resident; }
+int64_t harness_resident_blocks() { return kMultiprocessors * kMinBlocksPerSM; }
 
 }  // extern "C"
+#pragma GCC visibility pop
+
+STABLE_TORCH_LIBRARY(fasthooks_cuda_on_cpu, m) {
+  m.def(fasthooks::kAccumulateStatsSchema);
+  m.def(fasthooks::kAccumulateStatsListSchema);
+}
+
+STABLE_TORCH_LIBRARY_IMPL(fasthooks_cuda_on_cpu, CPU, m) {
+  m.impl("accumulate_stats", TORCH_BOX(&Host::accumulate_stats));
+  m.impl("accumulate_stats_list", TORCH_BOX(&Host::accumulate_stats_list));
+}

@@ -1,0 +1,174 @@
+// The host side of fasthooks::accumulate_stats and accumulate_stats_list on CUDA: checks, the
+// dense-or-copy choice, grouping a list by dtype, the workspace region of a call and the launch
+// plans, over a Device that supplies what needs a GPU (the current stream, where a call comes
+// from, the resident blocks of a kernel, a launch and a device guard). accumulate_cuda.cu gives it
+// the CUDA runtime; the CUDA-on-CPU harness (tests/cuda_on_cpu/) an emulation, so the harness runs
+// this same plan.
+#pragma once
+
+#include <torch/csrc/stable/tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "../checks.h"
+#include "../dtype_dispatch.h"
+#include "accumulate_kernel.cuh"
+#include "stream_regions.h"
+
+namespace fasthooks {
+namespace cuda {
+
+template <typename Device>
+struct OperatorHost {
+  using Stream = typename Device::Stream;
+
+  // One launch of the kernel for T on `stream`, over x (minus base, when given).
+  template <typename T>
+  static void launch(const Tensor& x, const Tensor* base, const Buffers& buffers, bool full,
+                     Stream stream, int device) {
+    const T* p = static_cast<const T*>(x.const_data_ptr());
+    const T* b = base != nullptr ? static_cast<const T*>(base->const_data_ptr()) : nullptr;
+    const int64_t n = x.numel();
+    with_kernel<T>(full, buffers.bins > 0, b != nullptr, [&](auto kernel_of, size_t shared) {
+      constexpr auto kernel = decltype(kernel_of)::kernel;
+      const int64_t resident = Device::template resident_blocks<kernel>(shared, device);
+      const LaunchPlan plan = plan_launch(p, b, n, resident);
+      Device::launch(kernel, plan.blocks, shared, stream, p, b, n, plan.head, buffers);
+    });
+  }
+
+  // Tensors of one dtype, read in place or as copies, and their slots.
+  struct Group {
+    std::vector<Tensor> x;
+    std::vector<Tensor> base;
+    std::vector<int64_t> slot;
+  };
+
+  // Every tensor of a group with the list kernel: one launch per kListTensors tensors.
+  template <typename T>
+  static void launch_list(const Group& group, const Buffers& buffers, bool full, Stream stream,
+                          int device) {
+    std::vector<const T*> x, base;
+    std::vector<int64_t> n;
+    for (size_t i = 0; i < group.x.size(); ++i) {
+      x.push_back(static_cast<const T*>(group.x[i].const_data_ptr()));
+      if (!group.base.empty()) {
+        base.push_back(static_cast<const T*>(group.base[i].const_data_ptr()));
+      }
+      n.push_back(group.x[i].numel());
+    }
+    const bool diff = !group.base.empty();
+    with_kernel<T, true>(full, buffers.bins > 0, diff, [&](auto kernel_of, size_t shared) {
+      constexpr auto kernel = decltype(kernel_of)::kernel;
+      const int64_t resident = Device::template resident_blocks<kernel>(shared, device);
+      for_each_table(x.data(), diff ? base.data() : nullptr, n.data(), group.slot.data(),
+                     static_cast<int64_t>(x.size()), resident, [&](const TensorTable& table) {
+                       Device::launch(kernel, table.first_block[table.count], shared, stream, table,
+                                      buffers);
+                     });
+    });
+  }
+
+  // The stream, workspace region and bins of a call, after the checks beyond
+  // check_accumulate_args.
+  struct Call {
+    Stream stream;
+    double* workspace;
+    int64_t region;
+    int64_t bins;
+  };
+
+  static Call prepare(const Tensor& workspace, const Tensor& hist, int device) {
+    FASTHOOKS_CHECK(dtype_of(workspace) == ScalarType::Double && workspace.is_contiguous() &&
+                        workspace.numel() == kWorkspaceDoubles,
+                    "accumulate_stats: workspace must be a zeroed contiguous float64 tensor of ",
+                    kWorkspaceDoubles,
+                    " elements on CUDA (fasthooks.layout.CUDA_WORKSPACE_DOUBLES), "
+                    "got ",
+                    workspace.scalar_type(), " of shape ", shape_of(workspace));
+    const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
+    FASTHOOKS_CHECK(bins <= kMaxBins, "accumulate_stats: at most ", kMaxBins, " bins on CUDA, got ",
+                    bins);
+    static StreamRegions regions(kRegions);
+    const Stream stream = Device::current_stream(device);
+    double* space = static_cast<double*>(workspace.mutable_data_ptr());
+    return {stream, space, regions.region_of(space, Device::origin_of(stream)), bins};
+  }
+
+  static Buffers buffers_of(const Tensor& state, const Tensor& stats, const Tensor& extra,
+                            const Tensor& hist, const Tensor& cursor, int64_t slot, bool full,
+                            const Call& call, double near_zero, double hist_min, double hist_max) {
+    return buffers_for(static_cast<double*>(state.mutable_data_ptr()),
+                       static_cast<float*>(stats.mutable_data_ptr()),
+                       full ? static_cast<float*>(extra.mutable_data_ptr()) : nullptr,
+                       call.bins > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) : nullptr,
+                       static_cast<const int64_t*>(cursor.const_data_ptr()), call.workspace,
+                       call.region, slot, state.size(1), state.size(2), call.bins, near_zero,
+                       hist_min, hist_max);
+  }
+
+  static void accumulate_stats(const Tensor& x, const Tensor& state, const Tensor& stats,
+                               const Tensor& extra, const Tensor& hist, const Tensor& workspace,
+                               const Tensor& order, const Tensor& clock, const Tensor& cursor,
+                               int64_t slot, double near_zero, double hist_min, double hist_max) {
+    const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
+                                            hist_min, hist_max);
+    const bool ordered = check_call_order(order, clock, state);
+    const int device = x.get_device_index();
+    const typename Device::Guard guard(device);
+    const Call call = prepare(workspace, hist, device);
+    if (x.numel() == 0) return;
+    Buffers buffers = buffers_of(state, stats, extra, hist, cursor, slot, full, call, near_zero,
+                                 hist_min, hist_max);
+    if (ordered) {
+      buffers.order = static_cast<int64_t*>(order.mutable_data_ptr());
+      buffers.clock = static_cast<unsigned long long*>(clock.mutable_data_ptr());
+    }
+    const Tensor dense = dense_values(x);
+    dispatch_dtype(dtype_of(dense), [&](auto tag) {
+      launch<typename decltype(tag)::type>(dense, nullptr, buffers, full, call.stream, device);
+    });
+  }
+
+  // Every tensor of a list, one launch of the list kernel per dtype and kListTensors tensors, in
+  // slot order on one stream (so that they share one workspace region).
+  static void accumulate_stats_list(std::vector<Tensor> xs, std::vector<Tensor> bases,
+                                    const Tensor& state, const Tensor& stats, const Tensor& extra,
+                                    const Tensor& hist, const Tensor& workspace,
+                                    const Tensor& cursor, double near_zero, double hist_min,
+                                    double hist_max) {
+    check_list_lengths(xs, bases, state);
+    if (xs.empty()) return;
+    bool full = false;
+    Group groups[kDtypes];
+    for (size_t i = 0; i < xs.size(); ++i) {  // every tensor checked before any is counted
+      full = check_accumulate_args(xs[i], state, stats, extra, hist, workspace, cursor,
+                                   static_cast<int64_t>(i), hist_min, hist_max);
+      if (xs[i].numel() == 0) continue;
+      Group& group = groups[dtype_position(dtype_of(xs[i]))];
+      if (bases.empty()) {
+        group.x.push_back(dense_values(xs[i]));
+      } else {
+        DensePair pair = dense_pair(xs[i], bases[i], i);
+        group.x.push_back(pair.x);
+        group.base.push_back(pair.base);
+      }
+      group.slot.push_back(static_cast<int64_t>(i));
+    }
+    const int device = state.get_device_index();
+    const typename Device::Guard guard(device);
+    const Call call = prepare(workspace, hist, device);
+    const Buffers buffers =
+        buffers_of(state, stats, extra, hist, cursor, 0, full, call, near_zero, hist_min, hist_max);
+    for (const Group& group : groups) {
+      if (group.x.empty()) continue;
+      dispatch_dtype(dtype_of(group.x[0]), [&](auto tag) {
+        launch_list<typename decltype(tag)::type>(group, buffers, full, call.stream, device);
+      });
+    }
+  }
+};
+
+}  // namespace cuda
+}  // namespace fasthooks
