@@ -53,6 +53,36 @@ CUDA_DROPPED_CALLS = CUDA_WORKSPACE_DOUBLES - 1
 COUNT, MEAN, M2, M3, M4, MIN, MAX, NEAR_ZERO, NONFINITE = range(len(STATE_PLANES))
 
 
+class AccumulateArgs(NamedTuple):
+    """The arguments of `accumulate_stats` in order, as `csrc/schemas.h` declares them (a test
+    compares the two): the tensor, the run's buffers (`StatBuffers.op_args()`), the slot and the
+    options. Every backend's entry point takes these.
+
+    Examples:
+        >>> AccumulateArgs(*"x state stats extra hist workspace order clock cursor".split(), 0)
+        ... # doctest: +ELLIPSIS
+        AccumulateArgs(x='x', ..., slot=0, near_zero=0.05, hist_min=0.0, hist_max=10.0)
+    """
+
+    x: torch.Tensor
+    state: torch.Tensor
+    stats: torch.Tensor
+    extra: torch.Tensor
+    hist: torch.Tensor
+    workspace: torch.Tensor
+    order: torch.Tensor
+    clock: torch.Tensor
+    cursor: torch.Tensor
+    slot: int
+    near_zero: float = 0.05
+    hist_min: float = 0.0
+    hist_max: float = 10.0
+
+
+# The operator's tensor arguments; its scalars follow.
+TENSOR_ARGUMENTS = AccumulateArgs._fields[:9]
+
+
 class BufferSpec(NamedTuple):
     """One buffer of a run: its name, dtype, column axis, the value of an empty column, and how
     ranks merge it ("moments": the pairwise rule; "finalised": computed again from the merged

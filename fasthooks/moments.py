@@ -9,7 +9,19 @@ from __future__ import annotations
 
 import torch
 
-from .layout import COUNT, M2, M3, M4, MAX, MEAN, MIN, NEAR_ZERO, NONFINITE, STATE_PLANES
+from .layout import (
+    COUNT,
+    M2,
+    M3,
+    M4,
+    MAX,
+    MEAN,
+    MIN,
+    NEAR_ZERO,
+    NONFINITE,
+    STATE_PLANES,
+    AccumulateArgs,
+)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -171,23 +183,10 @@ def derived_extra(name: str, state: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 0, value, torch.full_like(value, float("nan"))).float()
 
 
-def accumulate_stats_python(
-    x: torch.Tensor,
-    state: torch.Tensor,
-    stats: torch.Tensor,
-    extra: torch.Tensor,
-    hist: torch.Tensor,
-    workspace: torch.Tensor,
-    order: torch.Tensor,
-    clock: torch.Tensor,
-    cursor: torch.Tensor,
-    slot: int,
-    near_zero: float,
-    hist_min: float,
-    hist_max: float,
-) -> None:
-    """Merge the statistics of all of `x` into slot (`slot`, `cursor`) of the buffers, in place,
-    and note the call in the call order (`order`, `clock`) unless `order` is empty.
+def accumulate_stats_python(*args: object, **options: float) -> None:
+    """`accumulate_stats` (`layout.AccumulateArgs`) in torch ops: merge the statistics of all
+    of `x` into slot (`slot`, `cursor`) of the buffers, in place, and note the call in the call
+    order (`order`, `clock`) unless `order` is empty.
 
     Examples:
         >>> from fasthooks.buffers import StatBuffers
@@ -196,9 +195,10 @@ def accumulate_stats_python(
         >>> b.stats[:, 0, 0].tolist()
         [2.0, 1.4142135381698608]
     """
-    call = _merge_into_slot(
-        x, state, stats, extra, hist, cursor, slot, near_zero, hist_min, hist_max
+    x, state, stats, extra, hist, _, order, clock, cursor, slot, *scalars = AccumulateArgs(
+        *args, **options
     )
+    call = _merge_into_slot(x, state, stats, extra, hist, cursor, slot, *scalars)
     if call is not None and order.numel() > 0:
         note_call_order(order, clock, cursor, slot, call)
 

@@ -13,25 +13,13 @@ from collections.abc import Callable
 
 import torch
 
+from .layout import TENSOR_ARGUMENTS, AccumulateArgs
 from .moments import accumulate_stats_list_python, accumulate_stats_python
 from .torch_support import MIN_TORCH, MIN_TORCH_TEXT, torch_version
 
-# (x, state, stats, extra, hist, workspace, order, clock, cursor, slot, near_zero, hist_min,
-# hist_max)
+# Takes `layout.AccumulateArgs`.
 Accumulate = Callable[..., None]
 BACKENDS = ("auto", "fused", "python")
-# The operator's tensor arguments in order; its scalars slot, near_zero, hist_min, hist_max follow.
-TENSOR_ARGUMENTS = (
-    "x",
-    "state",
-    "stats",
-    "extra",
-    "hist",
-    "workspace",
-    "order",
-    "clock",
-    "cursor",
-)
 BUILD_HINT = (
     "build it with `pip install --no-build-isolation .` (or `make test`) in an environment "
     "that has torch and a C++ compiler"
@@ -109,22 +97,9 @@ def cpu_capability() -> str:
     return torch.ops.fasthooks.cpu_capability()
 
 
-def accumulate_stats(
-    x: torch.Tensor,
-    state: torch.Tensor,
-    stats: torch.Tensor,
-    extra: torch.Tensor,
-    hist: torch.Tensor,
-    workspace: torch.Tensor,
-    order: torch.Tensor,
-    clock: torch.Tensor,
-    cursor: torch.Tensor,
-    slot: int,
-    near_zero: float = 0.05,
-    hist_min: float = 0.0,
-    hist_max: float = 10.0,
-) -> None:
-    """Merge the statistics of all of `x` into slot (`slot`, `cursor`) with the fused operator,
+def accumulate_stats(*args: object, **options: float) -> None:
+    """`accumulate_stats` (`layout.AccumulateArgs`: the options have defaults) with the fused
+    operator: merge the statistics of all of `x` into slot (`slot`, `cursor`),
     noting the call in the call order (`layout.ORDER_PLANES`) unless `order` is empty.
 
     Examples:
@@ -137,21 +112,7 @@ def accumulate_stats(
         ...     print([2.0, 1.4142135381698608], [1.0, 3.0, 0.0, 1.0])
         [2.0, 1.4142135381698608] [1.0, 3.0, 0.0, 1.0]
     """
-    torch.ops.fasthooks.accumulate_stats(
-        x,
-        state,
-        stats,
-        extra,
-        hist,
-        workspace,
-        order,
-        clock,
-        cursor,
-        slot,
-        near_zero,
-        hist_min,
-        hist_max,
-    )
+    torch.ops.fasthooks.accumulate_stats(*AccumulateArgs(*args, **options))
 
 
 def kernel_layout() -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -18,6 +18,7 @@ from conftest import (
 
 from fasthooks import ops
 from fasthooks.buffers import StatBuffers
+from fasthooks.layout import AccumulateArgs
 from fasthooks.moments import accumulate_stats_python
 
 pytestmark = FUSED
@@ -436,3 +437,22 @@ def test_hundred_million_elements(backend):
     count, mean, std = _moments(x, backend)
     assert count == x.numel()
     _assert_within_bounds(mean, std, *reference_moments(x), rel_std=1e-6)
+
+
+@FUSED
+def test_the_python_declaration_of_the_arguments_is_the_schemas():
+    schema = torch.ops.fasthooks.accumulate_stats.default._schema
+    assert [a.name for a in schema.arguments] == list(AccumulateArgs._fields)
+    assert AccumulateArgs._field_defaults == {"near_zero": 0.05, "hist_min": 0.0, "hist_max": 10.0}
+
+
+@FUSED
+@CUDA_ON_CPU
+def test_the_harness_registers_the_same_schemas():
+    cuda_on_cpu.library()
+    for name in ("accumulate_stats", "accumulate_stats_list"):
+        ours = getattr(torch.ops.fasthooks_cuda_on_cpu, name).default._schema
+        theirs = getattr(torch.ops.fasthooks, name).default._schema
+        assert [(a.name, str(a.type)) for a in ours.arguments] == [
+            (a.name, str(a.type)) for a in theirs.arguments
+        ]

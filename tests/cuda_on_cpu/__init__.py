@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from fasthooks.layout import AccumulateArgs
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 SOURCES = [
@@ -170,39 +172,28 @@ def _run(operator: str, *args: object, stream: int, resident: int | None) -> Non
 
 
 def accumulate(
-    x: torch.Tensor,
-    state: torch.Tensor,
-    stats: torch.Tensor,
-    extra: torch.Tensor,
-    hist: torch.Tensor,
-    workspace: torch.Tensor,
-    order: torch.Tensor,
-    clock: torch.Tensor,
-    cursor: torch.Tensor,
-    slot: int,
-    near_zero: float = 0.05,
-    hist_min: float = 0.0,
-    hist_max: float = 10.0,
-    *,
+    *args: object,
     base: torch.Tensor | None = None,
     stream: int = 0,
     resident: int | None = None,
+    **options: float,
 ) -> None:
-    """`accumulate_stats` through the CUDA operator, on CPU tensors (with `base`, the statistics
-    of x - base, through `accumulate_stats_list` as parameters' updates take them); `stream`
-    stands for the CUDA stream of the call. An empty `workspace` (CPU buffers) is replaced by one
-    kept for `state`. Raises DeviceCodeError when the emulation saw a rule of CUDA broken."""
-    if workspace.numel() == 0:
-        workspace = workspace_for(state)
-    options = (near_zero, hist_min, hist_max)
+    """`accumulate_stats` (`fasthooks.layout.AccumulateArgs`) through the CUDA operator, on CPU
+    tensors (with `base`, the statistics of x - base, through `accumulate_stats_list` as
+    parameters' updates take them); `stream` stands for the CUDA stream of the call. An empty
+    `workspace` (CPU buffers) is replaced by one kept for `state`. Raises DeviceCodeError when
+    the emulation saw a rule of CUDA broken."""
+    call = AccumulateArgs(*args, **options)
+    if call.workspace.numel() == 0:
+        call = call._replace(workspace=workspace_for(call.state))
     if base is None:
-        args = (x, state, stats, extra, hist, workspace, order, clock, cursor, slot, *options)
-        _run("accumulate_stats", *args, stream=stream, resident=resident)
+        _run("accumulate_stats", *call, stream=stream, resident=resident)
         return
-    empty = x.new_empty(0)
-    xs, bases = [empty] * slot + [x], [empty] * slot + [base]
-    args = (xs, bases, state, stats, extra, hist, workspace, cursor, *options)
-    _run("accumulate_stats_list", *args, stream=stream, resident=resident)
+    empty = call.x.new_empty(0)
+    xs, bases = [empty] * call.slot + [call.x], [empty] * call.slot + [base]
+    buffers = (call.state, call.stats, call.extra, call.hist, call.workspace, call.cursor)
+    options = (call.near_zero, call.hist_min, call.hist_max)
+    _run("accumulate_stats_list", xs, bases, *buffers, *options, stream=stream, resident=resident)
 
 
 def accumulate_list(
