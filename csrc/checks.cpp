@@ -106,6 +106,9 @@ Tensor dense_values(const Tensor& x) {
   return is_non_overlapping_and_dense(x) ? x : torch::stable::contiguous(x);
 }
 
+namespace {
+
+// No more tensors than slots, and bases empty or one per tensor.
 void check_list_lengths(const std::vector<Tensor>& xs, const std::vector<Tensor>& bases,
                         const Tensor& state) {
   FASTHOOKS_CHECK(state.dim() == 3 && static_cast<int64_t>(xs.size()) <= state.size(1),
@@ -120,6 +123,8 @@ void check_list_lengths(const std::vector<Tensor>& xs, const std::vector<Tensor>
                   "state), got a ",
                   state.size(0), "-plane state");
 }
+
+}  // namespace
 
 DensePair dense_pair(const Tensor& x, const Tensor& base, size_t index) {
   const auto sizes = x.sizes();
@@ -199,6 +204,26 @@ bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& s
   FASTHOOKS_CHECK(slot >= 0 && slot < modules, "accumulate_stats: slot must be in [0, ", modules,
                   "), got ", slot);
   return full;
+}
+
+CheckedList check_list(const std::vector<Tensor>& xs, const std::vector<Tensor>& bases,
+                       const Tensor& state, const Tensor& stats, const Tensor& extra,
+                       const Tensor& hist, const Tensor& workspace, const Tensor& cursor,
+                       double hist_min, double hist_max) {
+  check_list_lengths(xs, bases, state);
+  CheckedList checked{false, {}, {}};
+  for (size_t i = 0; i < xs.size(); ++i) {
+    checked.full = check_accumulate_args(xs[i], state, stats, extra, hist, workspace, cursor,
+                                         static_cast<int64_t>(i), hist_min, hist_max);
+    if (bases.empty()) {
+      checked.xs.push_back(dense_values(xs[i]));
+    } else {
+      DensePair pair = dense_pair(xs[i], bases[i], i);
+      checked.xs.push_back(pair.x);
+      checked.bases.push_back(pair.base);
+    }
+  }
+  return checked;
 }
 
 bool check_call_order(const Tensor& order, const Tensor& clock, const Tensor& state) {

@@ -56,9 +56,17 @@ struct DensePair {
 };
 DensePair dense_pair(const Tensor& x, const Tensor& base, size_t index);
 
-// accumulate_stats_list: no more tensors than slots, and bases empty or one per tensor.
-void check_list_lengths(const std::vector<Tensor>& xs, const std::vector<Tensor>& bases,
-                        const Tensor& state);
+// accumulate_stats_list's tensors, every one checked before any is counted (check_list_lengths,
+// check_accumulate_args, dense_pair), as they are read: xs[i] alone, or with bases[i].
+struct CheckedList {
+  bool full;
+  std::vector<Tensor> xs;
+  std::vector<Tensor> bases;
+};
+CheckedList check_list(const std::vector<Tensor>& xs, const std::vector<Tensor>& bases,
+                       const Tensor& state, const Tensor& stats, const Tensor& extra,
+                       const Tensor& hist, const Tensor& workspace, const Tensor& cursor,
+                       double hist_min, double hist_max);
 
 // Checks every argument but the cursor's value, which is checked where it can be read. Returns
 // whether every statistic is wanted (a 9-plane state with an extras buffer) or mean and std only.

@@ -360,17 +360,8 @@ class ActivationStats(HookCallback, Reading):
             if x is not None and x.requires_grad:
                 x.register_hook(functools.partial(self._record_gradient, m))
             return
-        if x is None:
-            self._skip(m, measured_tensor(o)[1])
-            return
-        slot = self._slots.get(m)
-        if slot is None:
-            self._foreign(m)
-            return
-        if self._device_pending:
-            self._adopt_device(x.device)
         try:
-            self._accumulate(x.detach(), *self._args, slot, *self._options)
+            self._record(m, x, o)
         except _MEASURE_ERRORS as error:
             self._record_otherwise(m, o, error)
 

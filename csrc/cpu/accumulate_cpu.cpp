@@ -242,24 +242,11 @@ void accumulate_stats_list_cpu(std::vector<Tensor> xs, std::vector<Tensor> bases
                                const Tensor& state, const Tensor& stats, const Tensor& extra,
                                const Tensor& hist, const Tensor& workspace, const Tensor& cursor,
                                double near_zero, double hist_min, double hist_max) {
-  check_list_lengths(xs, bases, state);
-  bool full = false;
-  // Each tensor (and base) as it is read: checked, then counted, with no second look.
-  std::vector<Tensor> dense, dense_bases;
-  for (size_t i = 0; i < xs.size(); ++i) {  // every tensor checked before any is counted
-    full = check_accumulate_args(xs[i], state, stats, extra, hist, workspace, cursor,
-                                 static_cast<int64_t>(i), hist_min, hist_max);
-    if (bases.empty()) {
-      dense.push_back(dense_values(xs[i]));
-    } else {
-      DensePair pair = dense_pair(xs[i], bases[i], i);
-      dense.push_back(pair.x);
-      dense_bases.push_back(pair.base);
-    }
-  }
-  for (size_t i = 0; i < xs.size(); ++i) {
-    accumulate_one(dense[i], bases.empty() ? nullptr : &dense_bases[i], state, stats, extra, hist,
-                   cursor, static_cast<int64_t>(i), full, near_zero, hist_min, hist_max);
+  const CheckedList list =
+      check_list(xs, bases, state, stats, extra, hist, workspace, cursor, hist_min, hist_max);
+  for (size_t i = 0; i < list.xs.size(); ++i) {
+    accumulate_one(list.xs[i], list.bases.empty() ? nullptr : &list.bases[i], state, stats, extra,
+                   hist, cursor, static_cast<int64_t>(i), list.full, near_zero, hist_min, hist_max);
   }
 }
 

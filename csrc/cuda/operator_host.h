@@ -138,22 +138,16 @@ struct OperatorHost {
                                     const Tensor& hist, const Tensor& workspace,
                                     const Tensor& cursor, double near_zero, double hist_min,
                                     double hist_max) {
-    check_list_lengths(xs, bases, state);
-    if (xs.empty()) return;
-    bool full = false;
+    const CheckedList list =
+        check_list(xs, bases, state, stats, extra, hist, workspace, cursor, hist_min, hist_max);
+    if (list.xs.empty()) return;
+    const bool full = list.full;
     Group groups[kDtypes];
-    for (size_t i = 0; i < xs.size(); ++i) {  // every tensor checked before any is counted
-      full = check_accumulate_args(xs[i], state, stats, extra, hist, workspace, cursor,
-                                   static_cast<int64_t>(i), hist_min, hist_max);
-      if (xs[i].numel() == 0) continue;
-      Group& group = groups[dtype_position(dtype_of(xs[i]))];
-      if (bases.empty()) {
-        group.x.push_back(dense_values(xs[i]));
-      } else {
-        DensePair pair = dense_pair(xs[i], bases[i], i);
-        group.x.push_back(pair.x);
-        group.base.push_back(pair.base);
-      }
+    for (size_t i = 0; i < list.xs.size(); ++i) {
+      if (list.xs[i].numel() == 0) continue;
+      Group& group = groups[dtype_position(dtype_of(list.xs[i]))];
+      group.x.push_back(list.xs[i]);
+      if (!list.bases.empty()) group.base.push_back(list.bases[i]);
       group.slot.push_back(static_cast<int64_t>(i));
     }
     const int device = state.get_device_index();
