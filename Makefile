@@ -99,7 +99,7 @@ test-isa: build
 
 $(CUDA_VENV)/.ready: Makefile
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
-	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) numpy pytest hypothesis ninja \
+	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) numpy pytest pytest-xdist hypothesis ninja \
 		setuptools wheel $(MODEL_ZOO) \
 		2>&1 | $(PIP_FILTER)
 	touch $@
@@ -115,7 +115,7 @@ test-cuda-build: $(CUDA_VENV)/.ready
 		$(CUDA_VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps \
 		--target $(CUDA_LIB) . 2>&1 | $(PIP_FILTER)
 	PYTHONPATH=$(CUDA_LIB) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_CUDA_KERNEL=1 \
-		CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} $(CUDA_VENV)/bin/pytest -p no:cacheprovider \
+		CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} $(CUDA_VENV)/bin/pytest -p no:cacheprovider -n 2 \
 		-m "not cuda_on_cpu and not slow" --ignore=tests/test_model_zoo.py
 
 # One abi3 wheel built against the CPU torch, which serves every torch >= 2.10, tagged for the
@@ -145,7 +145,7 @@ test-wheel: wheel $(CUDA_VENV)/.ready
 		dist/fasthooks-*-abi3-*.whl 2>&1 | $(PIP_FILTER)
 	PYTHONPATH=$(WHEEL_CHECK) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_WHEEL_DIR=$(WHEEL_CHECK) \
 		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU:torch==%=%) FASTHOOKS_REQUIRE_MODEL_ZOO=1 \
-		$(CUDA_VENV)/bin/pytest -p no:cacheprovider -m "not cuda_on_cpu"
+		$(CUDA_VENV)/bin/pytest -p no:cacheprovider -n 2 -m "not cuda_on_cpu"
 
 # The sdist installed with pip (no build isolation, against .venv's torch) into a folder of its
 # own, and the operator's tests run on that build.
