@@ -92,3 +92,25 @@ def test_guard_benchmark_times_every_watch_and_says_what_each_names(tmp_path):
     assert "autograd node" in rows["detect_anomaly"][3]
     assert all(float(row[1]) > 0 for row in rows.values())
     assert "the one call the guard changes" in run.stdout
+
+
+def test_the_window_benchmark_writes_its_table(tmp_path):
+    pytest.importorskip("pyarrow")
+    out = tmp_path / "window"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "window_sink.py"),
+            *("--batches", "300", "--window", "8", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
+    )
+    assert run.returncode == 0, run.stderr
+    table = (out / "results.md").read_text()
+    # 9 columns of 50 modules at 432 bytes each (every extra, 40 bins), from first to last.
+    assert "| window=8, Parquet sink | 194,400 / 194,400 / 194,400 |" in table
+    results = json.loads((out / "results.json").read_text())
+    assert results["window=None"]["batches"] == 300 and results["sink_bytes"] > 0
