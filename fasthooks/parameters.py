@@ -23,6 +23,7 @@ from .arguments import (
 )
 from .buffers import StatBuffers
 from .column_store import ColumnStore
+from .dtensors import LocalPieces
 from .layout import COUNT, DERIVED_EXTRAS, M2, MEAN
 from .ops import backend_for_device, resolve_backend, resolve_list_backend
 from .reading import KindReading
@@ -166,6 +167,7 @@ class ParameterStats:
         self._backend = (backend, resolve_backend(backend)[0])  # as asked for, and resolved
         self.param_names, self._params = _stepped_parameters(model, optimizer, parameters)
         self._store: ColumnStore | None = None
+        self._pieces = LocalPieces("ParameterStats")
         self._handles: list[Any] = []
         self._resume: dict[str, Any] | None = None
         self._start()
@@ -208,7 +210,11 @@ class ParameterStats:
             resume_batches=0 if resume is None else resume["num_batches"],
         )
         with torch.inference_mode(False):
-            self._weights = [p.detach() for p in self._params]  # views: in place steps show
+            # Views (in place steps show); a DTensor's local piece (FSDP2, tensor parallelism).
+            self._weights = [
+                self._pieces.local(p.detach(), i, lambda i=i: self.param_names[i])
+                for i, p in enumerate(self._params)
+            ]
             self._snapshots = [w.clone() for w in self._weights] if "update" in self.kinds else []
             self._no_grad = torch.empty(0, device=device)
         if resume is not None:
@@ -252,7 +258,12 @@ class ParameterStats:
             return
         with torch.no_grad():
             if "grad" in self.kinds:
-                grads = [p.grad if p.grad is not None else self._no_grad for p in self._params]
+                grads = [
+                    self._no_grad
+                    if p.grad is None
+                    else self._pieces.local(p.grad, i, lambda i=i: self.param_names[i])
+                    for i, p in enumerate(self._params)
+                ]
                 self._call(self._store.buffers["grad"], [g.detach() for g in grads], [])
             if "update" in self.kinds:
                 torch._foreach_copy_(self._snapshots, self._weights)
@@ -332,6 +343,12 @@ class ParameterStats:
     def param_index(self, param: int | str) -> int:
         """The row of a parameter, given its qualified name or an index (negative too)."""
         return module_position(self.param_names, param)
+
+    @property
+    def placements(self) -> dict[str, str]:
+        """The placements of each parameter that is a DTensor (FSDP2, tensor parallelism), by
+        name: its local piece is what is recorded."""
+        return self._pieces.by_name(self.param_names)
 
     def __getitem__(self, kind: str) -> KindReading:
         """One recorded kind with `ActivationStats`' reading API (`stats`, `extra`, `hist`,

@@ -23,6 +23,7 @@ from .arguments import (
 from .buffers import StatBuffers
 from .column_store import ColumnStore
 from .distributed import all_reduce
+from .dtensors import LocalPieces
 from .hook import HookCallback
 from .layout import COUNT
 from .nonfinite import NonFiniteWatch
@@ -203,6 +204,7 @@ class ActivationStats(HookCallback, Reading):
         if self.modules is not None:
             self._slots = self._check_unique(self.modules)
         self._store: ColumnStore | None = None
+        self._pieces = LocalPieces("ActivationStats")
         self._device_pending = False
         self._args: tuple[torch.Tensor, ...] = ()
         self._dropped_reported = 0
@@ -257,6 +259,7 @@ class ActivationStats(HookCallback, Reading):
         self._slots, self._store = slots, store
         self._args = store.buffers[self.kind].op_args()
         self._warned = set()
+        self._pieces = LocalPieces("ActivationStats")
         self._dropped_reported = 0
         self._rank_orders, self._rank = None, None
         self._watch.reset()
@@ -304,6 +307,12 @@ class ActivationStats(HookCallback, Reading):
     def kind(self) -> str:
         """ "forward" (outputs) or "backward" (output gradients): what a sink calls this run."""
         return "forward" if self.is_forward else "backward"
+
+    @property
+    def placements(self) -> dict[str, str]:
+        """The placements of each module whose output (or its gradient) was a DTensor, by
+        name: its local piece is what is recorded."""
+        return self._pieces.by_name(self.module_names)
 
     @property
     def module_types(self) -> list[str]:
@@ -384,6 +393,8 @@ class ActivationStats(HookCallback, Reading):
             return
         if self._device_pending:
             self._adopt_device(x.device)
+        if type(x) is not torch.Tensor:  # a DTensor: its local piece
+            x = self._pieces.local(x, slot, lambda: self._name(m))
         self._accumulate(x.detach(), *self._args, slot, *self._options)
 
     def _adopt_device(self, device: torch.device) -> None:

@@ -1,0 +1,211 @@
+"""Distributed tensors never crash the step: FSDP2's parameters and gradients and tensor-parallel
+outputs are recorded from their local pieces (2 gloo ranks against one process with everything)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import BACKENDS
+from test_distributed import _free_port
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import fasthooks
+from fasthooks import ActivationStats, ParameterStats
+
+BACKEND_NAMES = ["python", "fused"] if fasthooks.extension_available() else ["python"]
+STEPS, ROWS = 3, 8  # rows of each step's batch, half on each rank under FSDP2
+OPTIONS = {"extra": ("min", "max", "norm", "absmax"), "hist_bins": 8, "hist_range": (-2.0, 2.0)}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(ROWS, 6, generator=generator) for _ in range(STEPS)]
+
+
+def _train(model, batches, act, ps, optimizer) -> None:
+    with act, ps:
+        for x in batches:
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            act.on_batch_end()
+
+
+def _readings(act: ActivationStats, ps: ParameterStats) -> dict:
+    return {
+        "act": {"stats": act.stats.clone(), "hist": act.hist.clone(), **act.extra},
+        "ps": {kind: {"stats": ps.stats[kind], **ps.extra[kind]} for kind in ps.kinds},
+        "act_placements": act.placements,
+        "ps_placements": ps.placements,
+    }
+
+
+def _fully_sharded(rank: int, backend: str) -> dict:
+    model = _model()
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    act = ActivationStats(model, backend=backend, **OPTIONS)
+    ps = ParameterStats(model, optimizer, backend=backend, **OPTIONS)
+    half = ROWS // 2
+    _train(model, [x[rank * half : (rank + 1) * half] for x in _batches()], act, ps, optimizer)
+    readings = _readings(act, ps)
+    act.all_reduce()
+    readings["merged"] = {"stats": act.stats.clone(), "hist": act.hist.clone()}
+    return readings
+
+
+def _tensor_parallel(rank: int, backend: str) -> dict:
+    model = _model()
+    mesh = init_device_mesh("cpu", (2,))
+    plan = {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel()}
+    parallelize_module(model, mesh, plan)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    act = ActivationStats(model, modules=[model[0]], backend=backend, **OPTIONS)
+    ps = ParameterStats(model, optimizer, backend=backend, **OPTIONS)
+    _train(model, _batches(), act, ps, optimizer)  # every rank sees the whole batch
+    readings = _readings(act, ps)
+    act.all_reduce()  # layer 0's output is sharded: its pieces merge into the whole
+    readings["merged"] = {"stats": act.stats.clone(), "hist": act.hist.clone()}
+    return readings
+
+
+class EmitPartial(nn.Module):
+    """Returns its input as a DTensor of partial values: each rank's half of a sum."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> DTensor:
+        return DTensor.from_local(x * self.scale, self.mesh, [Partial()])
+
+
+def _partial(rank: int, backend: str) -> dict:
+    mesh = init_device_mesh("cpu", (2,))
+    model = nn.Sequential(EmitPartial(mesh))
+    x = torch.arange(12.0).reshape(3, 4) * (rank + 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ActivationStats(model, backend=backend, extra=["max"]) as act:
+            for _ in range(2):
+                model(x)
+                act.on_batch_end()
+    return {
+        "warnings": [str(w.message) for w in caught if "partial values" in str(w.message)],
+        "stats": act.stats.clone(),
+        "max": act.extra["max"].clone(),
+        "local": x,
+    }
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {
+        backend: {
+            "fsdp": _fully_sharded(rank, backend),
+            "tp": _tensor_parallel(rank, backend),
+            "partial": _partial(rank, backend),
+        }
+        for backend in BACKEND_NAMES
+    }
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("dtensor-ranks")
+    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def _whole(backend: str) -> dict:
+    """One process with the whole model and every batch."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    act = ActivationStats(model, backend=backend, **OPTIONS)
+    ps = ParameterStats(model, optimizer, backend=backend, **OPTIONS)
+    _train(model, _batches(), act, ps, optimizer)
+    return _readings(act, ps)
+
+
+def _pieces_norm(ranks: list[dict], backend: str, setting: str, kind: str) -> torch.Tensor:
+    """The norm of each whole parameter from the norms of its disjoint local pieces."""
+    norms = torch.stack([r[backend][setting]["ps"][kind]["norm"].double() for r in ranks])
+    return norms.pow(2).sum(0).sqrt()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_sharded_parameters_are_recorded_from_their_shards(ranks, backend):
+    whole = _whole(backend)
+    for rank in ranks:
+        placements = rank[backend]["fsdp"]["ps_placements"]
+        assert set(placements) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        assert all(p.startswith("(Shard(dim=0),)") for p in placements.values())
+    for kind in ("weight", "grad", "update"):
+        want = whole["ps"][kind]["norm"].double()
+        got = _pieces_norm(ranks, backend, "fsdp", kind)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        absmax = torch.maximum(*(r[backend]["fsdp"]["ps"][kind]["absmax"] for r in ranks))
+        torch.testing.assert_close(absmax, whole["ps"][kind]["absmax"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_sharded_activations_merge_into_the_whole_batch(ranks, backend):
+    whole = _whole(backend)
+    for rank in ranks:
+        merged = rank[backend]["fsdp"]["merged"]
+        torch.testing.assert_close(merged["stats"], whole["act"]["stats"], rtol=1e-5, atol=1e-6)
+        assert torch.equal(merged["hist"], whole["act"]["hist"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensor_parallel_outputs_and_parameters_are_recorded_from_their_pieces(ranks, backend):
+    whole = _whole(backend)
+    for rank in ranks:
+        tp = rank[backend]["tp"]
+        assert tp["act_placements"]["0"].startswith("(Shard(dim=")
+        merged = tp["merged"]
+        torch.testing.assert_close(
+            merged["stats"], whole["act"]["stats"][:, :1], rtol=1e-5, atol=1e-6
+        )
+        assert torch.equal(merged["hist"], whole["act"]["hist"][:1])
+        # The row-wise layer's bias is replicated: each rank holds all of it.
+        assert tp["ps_placements"]["2.bias"].startswith("(Replicate(),)")
+        torch.testing.assert_close(
+            tp["ps"]["weight"]["norm"][3], whole["ps"]["weight"]["norm"][3], rtol=1e-5, atol=0
+        )
+    sharded = [0, 1, 2]  # the column-wise weight and bias, the row-wise weight
+    for kind in ("weight", "grad", "update"):
+        got = _pieces_norm(ranks, backend, "tp", kind)[sharded]
+        want = whole["ps"][kind]["norm"].double()[sharded]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_partial_values_are_recorded_as_they_are_with_one_warning(ranks, backend):
+    for rank in ranks:
+        partial = rank[backend]["partial"]
+        assert len(partial["warnings"]) == 1
+        assert "0 (EmitPartial) is a DTensor with partial values" in partial["warnings"][0]
+        local = partial["local"]
+        torch.testing.assert_close(partial["stats"][0, 0], local.mean().expand(2))
+        assert partial["max"][0].tolist() == [local.max().item()] * 2
