@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def all_reduce(
-    act: ActivationStats, buffers: StatBuffers, group: Any = None
+    act: ActivationStats, buffers: StatBuffers, group: Any = None, replicas: Any = ()
 ) -> tuple[torch.Tensor, int]:
     """Replace every recorded column by the merge of all ranks' columns, on every rank; returns
     every rank's call order `(ranks, 2, modules, batches)` on the CPU, and this rank.
@@ -23,7 +23,8 @@ def all_reduce(
     with a clear error instead of hanging), one all-gather of the float64 merge state (merged in
     rank order with the operator's pairwise rule: exact counts, means and central moments for
     shards of any size), one of the call order, and one sum of the histogram counts when a
-    histogram is recorded.
+    histogram is recorded. The rows in `replicas` (this rank's copies of a replicated DTensor's
+    piece, which another rank holds too) add nothing, so each piece counts once.
     """
     import torch.distributed as dist
 
@@ -50,7 +51,8 @@ def all_reduce(
     orders = [torch.empty_like(order) for _ in range(world)]
     dist.all_gather(orders, order, group=group)
     rank_orders = torch.stack(orders).cpu()
-    recorded = state[:, :, :n].contiguous()
+    rows = torch.tensor(sorted(replicas), dtype=torch.int64, device=state.device)
+    recorded = state[:, :, :n].clone().index_fill_(1, rows, 0.0)
     gathered = [torch.empty_like(recorded) for _ in range(world)]
     dist.all_gather(gathered, recorded, group=group)
     merged = gathered[0]
@@ -62,7 +64,7 @@ def all_reduce(
     if extra is not None:
         buffers.extra[:, :, :n] = extra
     if act.hist_bins:
-        counts = buffers.hist[:, :n].contiguous()
+        counts = buffers.hist[:, :n].clone().index_fill_(0, rows, 0)
         dist.all_reduce(counts, group=group)
         buffers.hist[:, :n] = counts
     return rank_orders, rank

@@ -36,6 +36,16 @@ def describe_placements(t: torch.Tensor) -> str:
     return f"({placements},) on {tuple(t.device_mesh.shape)}"
 
 
+def first_replica(t: torch.Tensor) -> bool:
+    """Whether this rank holds the first copy of a DTensor's piece: coordinate 0 on every mesh
+    dimension that replicates it (so that merging ranks counts the piece once)."""
+    coordinate = t.device_mesh.get_coordinate()
+    return all(
+        not placement.is_replicate() or coordinate[dim] == 0
+        for dim, placement in enumerate(t.placements)
+    )
+
+
 def is_partial(t: torch.Tensor) -> bool:
     """Whether a DTensor holds partial values on some mesh dimension (a sum still to be taken)."""
     return any(p.is_partial() for p in t.placements)
@@ -52,6 +62,7 @@ class LocalPieces:
     def __init__(self, recorder: str) -> None:
         self.recorder = recorder
         self.placements: dict[int, str] = {}  # by row
+        self.replicas: set[int] = set()  # rows this rank holds a replica of, not the first
 
     def local(self, t: torch.Tensor, row: int, name: Callable[[], str]) -> torch.Tensor:
         """`t` itself, or its local piece when it is a DTensor (`name()` names row `row`)."""
@@ -59,6 +70,8 @@ class LocalPieces:
             return t
         if row not in self.placements:
             self.placements[row] = describe_placements(t)
+            if not first_replica(t):
+                self.replicas.add(row)
             if is_partial(t):
                 warnings.warn(
                     f"{self.recorder}: {name()} is a DTensor with partial values "

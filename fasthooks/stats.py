@@ -502,7 +502,9 @@ class ActivationStats(HookCallback, Reading):
         `group` (default: the whole world). Counts, extremes and histograms add up exactly, and
         means and central moments merge by the operator's rule, so uneven shards are right.
         Every rank must hook the same modules with the same options and have closed the same
-        number of batches; the open column is left as it is.
+        number of batches; the open column is left as it is. A module whose output is a DTensor
+        merges its pieces: `Shard` pieces into the whole tensor, a `Replicate` piece counted once
+        (from the ranks at coordinate 0 on its replicating mesh dimensions).
         """
         if self._buffers is None:
             raise RuntimeError(
@@ -514,7 +516,8 @@ class ActivationStats(HookCallback, Reading):
                 "all_reduce() merges every recorded column, and a run with window= keeps only "
                 "the newest: record without window= to merge across ranks"
             )
-        self._rank_orders, self._rank = all_reduce(self, self._buffers, group)
+        replicas = self._pieces.replicas
+        self._rank_orders, self._rank = all_reduce(self, self._buffers, group, replicas)
         self._store.reset_host()  # columns already copied to the host have changed
 
     @property

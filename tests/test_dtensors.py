@@ -73,14 +73,17 @@ def _fully_sharded(rank: int, backend: str) -> dict:
 def _tensor_parallel(rank: int, backend: str) -> dict:
     model = _model()
     mesh = init_device_mesh("cpu", (2,))
-    plan = {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel()}
+    plan = {
+        "0": ColwiseParallel(use_local_output=False),
+        "2": RowwiseParallel(use_local_output=False),
+    }
     parallelize_module(model, mesh, plan)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    act = ActivationStats(model, modules=[model[0]], backend=backend, **OPTIONS)
+    act = ActivationStats(model, backend=backend, **OPTIONS)
     ps = ParameterStats(model, optimizer, backend=backend, **OPTIONS)
     _train(model, _batches(), act, ps, optimizer)  # every rank sees the whole batch
     readings = _readings(act, ps)
-    act.all_reduce()  # layer 0's output is sharded: its pieces merge into the whole
+    act.all_reduce()  # layer 0's sharded output merges, layer 2's replicated one counts once
     readings["merged"] = {"stats": act.stats.clone(), "hist": act.hist.clone()}
     return readings
 
@@ -183,11 +186,10 @@ def test_tensor_parallel_outputs_and_parameters_are_recorded_from_their_pieces(r
     for rank in ranks:
         tp = rank[backend]["tp"]
         assert tp["act_placements"]["0"].startswith("(Shard(dim=")
+        assert tp["act_placements"]["2"].startswith("(Replicate(),)")
         merged = tp["merged"]
-        torch.testing.assert_close(
-            merged["stats"], whole["act"]["stats"][:, :1], rtol=1e-5, atol=1e-6
-        )
-        assert torch.equal(merged["hist"], whole["act"]["hist"][:1])
+        torch.testing.assert_close(merged["stats"], whole["act"]["stats"], rtol=1e-5, atol=1e-6)
+        assert torch.equal(merged["hist"], whole["act"]["hist"])
         # The row-wise layer's bias is replicated: each rank holds all of it.
         assert tp["ps_placements"]["2.bias"].startswith("(Replicate(),)")
         torch.testing.assert_close(
