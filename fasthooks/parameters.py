@@ -23,7 +23,8 @@ from .arguments import (
 )
 from .buffers import StatBuffers
 from .column_store import ColumnStore
-from .dtensors import LocalPieces
+from .distributed import all_reduce, process_group_rank
+from .dtensors import LocalPieces, is_dtensor
 from .layout import COUNT, DERIVED_EXTRAS, M2, MEAN
 from .ops import backend_for_device, resolve_backend, resolve_list_backend
 from .reading import KindReading
@@ -343,6 +344,31 @@ class ParameterStats:
     def param_index(self, param: int | str) -> int:
         """The row of a parameter, given its qualified name or an index (negative too)."""
         return module_position(self.param_names, param)
+
+    def all_reduce(self, group: Any = None) -> None:
+        """Merge every rank's columns into the statistics of whole parameters, on every rank of
+        `group` (default: the world): call it on every rank after training (or before reading).
+
+        A sharded parameter (FSDP2's, a tensor-parallel one) merges its pieces into the whole;
+        a replicated one counts once: a DTensor `Replicate` piece from the ranks at coordinate 0
+        on its replicating mesh dimensions, a plain parameter (the same on every rank under
+        `DistributedDataParallel`) from rank 0. Then `stats`, `extra`, `hist`, `update_ratio`
+        and `global_norm` are those of the whole model, as one process holding it all records
+        them. Every rank must record the same parameters with the same options.
+        """
+        if self._store is None:
+            raise RuntimeError("all_reduce() called before start() (the `with ps:` block)")
+        if self.window is not None:
+            raise NotImplementedError(
+                "all_reduce() merges every recorded column, and a run with window= keeps only "
+                "the newest: record without window= to merge across ranks"
+            )
+        rank = process_group_rank(group)
+        plain = {i for i, p in enumerate(self._params) if not is_dtensor(p)}
+        replicas = self._pieces.replicas | (plain if rank != 0 else set())
+        for buffers in self._store.buffers.values():
+            all_reduce(buffers, self.num_steps, group, replicas)
+        self._store.reset_host()
 
     @property
     def placements(self) -> dict[str, str]:

@@ -517,7 +517,8 @@ class ActivationStats(HookCallback, Reading):
                 "the newest: record without window= to merge across ranks"
             )
         replicas = self._pieces.replicas
-        self._rank_orders, self._rank = all_reduce(self, self._buffers, group, replicas)
+        merged = all_reduce(self._buffers, self.num_batches, group, replicas)
+        self._rank_orders, self._rank = merged
         self._store.reset_host()  # columns already copied to the host have changed
 
     @property

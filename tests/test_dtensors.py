@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
 
 import fasthooks
 from fasthooks import ActivationStats, ParameterStats
@@ -45,13 +46,29 @@ def _train(model, batches, act, ps, optimizer) -> None:
             act.on_batch_end()
 
 
+def _parameter_readings(ps: ParameterStats) -> dict:
+    readings = {kind: {"stats": ps.stats[kind], **ps.extra[kind]} for kind in ps.kinds}
+    return {
+        **readings,
+        "hist": ps.hist,
+        "update_ratio": ps.update_ratio,
+        "global_norm": ps.global_norm("grad"),
+    }
+
+
 def _readings(act: ActivationStats, ps: ParameterStats) -> dict:
     return {
         "act": {"stats": act.stats.clone(), "hist": act.hist.clone(), **act.extra},
-        "ps": {kind: {"stats": ps.stats[kind], **ps.extra[kind]} for kind in ps.kinds},
+        "ps": _parameter_readings(ps),
         "act_placements": act.placements,
         "ps_placements": ps.placements,
     }
+
+
+def _merged(act: ActivationStats, ps: ParameterStats) -> dict:
+    act.all_reduce()
+    ps.all_reduce()
+    return {"stats": act.stats.clone(), "hist": act.hist.clone(), "ps": _parameter_readings(ps)}
 
 
 def _fully_sharded(rank: int, backend: str) -> dict:
@@ -64,10 +81,18 @@ def _fully_sharded(rank: int, backend: str) -> dict:
     ps = ParameterStats(model, optimizer, backend=backend, **OPTIONS)
     half = ROWS // 2
     _train(model, [x[rank * half : (rank + 1) * half] for x in _batches()], act, ps, optimizer)
-    readings = _readings(act, ps)
-    act.all_reduce()
-    readings["merged"] = {"stats": act.stats.clone(), "hist": act.hist.clone()}
-    return readings
+    return {**_readings(act, ps), "merged": _merged(act, ps)}
+
+
+def _data_parallel(rank: int, backend: str) -> dict:
+    model = _model()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    act = ActivationStats(model, backend=backend, **OPTIONS)
+    ps = ParameterStats(model, optimizer, backend=backend, **OPTIONS)
+    half = ROWS // 2
+    _train(ddp, [x[rank * half : (rank + 1) * half] for x in _batches()], act, ps, optimizer)
+    return {**_readings(act, ps), "merged": _merged(act, ps)}
 
 
 def _tensor_parallel(rank: int, backend: str) -> dict:
@@ -82,10 +107,8 @@ def _tensor_parallel(rank: int, backend: str) -> dict:
     act = ActivationStats(model, backend=backend, **OPTIONS)
     ps = ParameterStats(model, optimizer, backend=backend, **OPTIONS)
     _train(model, _batches(), act, ps, optimizer)  # every rank sees the whole batch
-    readings = _readings(act, ps)
-    act.all_reduce()  # layer 0's sharded output merges, layer 2's replicated one counts once
-    readings["merged"] = {"stats": act.stats.clone(), "hist": act.hist.clone()}
-    return readings
+    # Layer 0's sharded output merges, layer 2's replicated one counts once; so do parameters.
+    return {**_readings(act, ps), "merged": _merged(act, ps)}
 
 
 class EmitPartial(nn.Module):
@@ -124,6 +147,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     results = {
         backend: {
             "fsdp": _fully_sharded(rank, backend),
+            "ddp": _data_parallel(rank, backend),
             "tp": _tensor_parallel(rank, backend),
             "partial": _partial(rank, backend),
         }
@@ -176,7 +200,7 @@ def test_fully_sharded_activations_merge_into_the_whole_batch(ranks, backend):
     whole = _whole(backend)
     for rank in ranks:
         merged = rank[backend]["fsdp"]["merged"]
-        torch.testing.assert_close(merged["stats"], whole["act"]["stats"], rtol=1e-5, atol=1e-6)
+        _same(merged["stats"], whole["act"]["stats"])
         assert torch.equal(merged["hist"], whole["act"]["hist"])
 
 
@@ -211,3 +235,30 @@ def test_partial_values_are_recorded_as_they_are_with_one_warning(ranks, backend
         local = partial["local"]
         torch.testing.assert_close(partial["stats"][0, 0], local.mean().expand(2))
         assert partial["max"][0].tolist() == [local.max().item()] * 2
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("setting", ["fsdp", "tp", "ddp"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parameter_stats_merge_into_the_whole_model(ranks, backend, setting):
+    whole = _whole(backend)["ps"]
+    for rank in ranks:
+        merged = rank[backend][setting]["merged"]["ps"]
+        for kind in ("weight", "grad", "update"):
+            for name, values in whole[kind].items():
+                _same(merged[kind][name], values)
+            assert torch.equal(merged["hist"][kind], whole["hist"][kind]), kind
+        _same(merged["update_ratio"], whole["update_ratio"])
+        _same(merged["global_norm"], whole["global_norm"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_data_parallel_activations_merge_into_the_whole_batch(ranks, backend):
+    whole = _whole(backend)
+    for rank in ranks:
+        merged = rank[backend]["ddp"]["merged"]
+        _same(merged["stats"], whole["act"]["stats"])
+        assert torch.equal(merged["hist"], whole["act"]["hist"])
