@@ -89,8 +89,11 @@ class ParameterStats:
     `ps.extra[kind][name]` `(parameters, steps)` holds "norm" (L2) and "absmax" always and any of
     `ActivationStats`'s extras; `ps.hist[kind]` the histograms with `hist_bins`.
     `ps.update_ratio` is the update's L2 norm over the weight's before the step and
-    `ps.global_norm(kind)` the L2 norm over all recorded parameters per step (for "grad" the
-    number `clip_grad_norm_` computes).
+    `ps.global_norm(kind)` the L2 norm over all recorded parameters per step. For "grad" that
+    is the total norm of the gradients the optimizer stepped with: what `clip_grad_norm_`
+    returns when clipping did not engage, and `max_norm` (to rounding) when it did, since the
+    loop clips before `optimizer.step()`; the unclipped total is `clip_grad_norm_`'s own return
+    value, which the loop holds.
 
     Each recorded step makes one call of the fused operator per kind for all parameters
     (`accumulate_stats_list`), on the parameters' device, with no host sync. The update is the
@@ -335,7 +338,8 @@ class ParameterStats:
     def global_norm(self, kind: str = "grad") -> torch.Tensor:
         """float32 `(steps,)`: the L2 norm over all recorded parameters of `kind` per step;
         parameters without a value in a step (no gradient) count as absent, as in
-        `clip_grad_norm_`."""
+        `clip_grad_norm_`. For "grad", the gradients the optimizer stepped with: after any
+        clipping (`max_norm` when clipping engaged)."""
         if kind not in self.kinds:
             raise KeyError(f"kind {kind!r} is not recorded; recorded kinds: {self.kinds}")
         norms = self.extra[kind]["norm"].double()

@@ -226,3 +226,21 @@ def test_bad_arguments_name_the_argument():
     split = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     with pytest.raises(ValueError, match=r"several devices \(cpu, meta\)"):
         ParameterStats(split, torch.optim.SGD(split.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_global_grad_norm_is_of_the_gradients_stepped_with_when_clipping_engages(backend):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    returned = []
+    with ParameterStats(model, opt, backend=backend, of="grad") as ps:
+        for scale in (100.0, 0.001):  # clipping engages, then it does not
+            model(torch.randn(16, 4) * scale).pow(2).mean().backward()
+            returned.append(nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0).item())
+            opt.step()
+            opt.zero_grad()
+    assert returned[0] > 1.0 > returned[1]
+    recorded = ps.global_norm("grad").tolist()
+    assert recorded[0] == pytest.approx(1.0, rel=1e-5)  # max_norm: the clipped gradients
+    assert recorded[1] == pytest.approx(returned[1], rel=1e-5)  # unclipped: the same number
