@@ -28,7 +28,7 @@ export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 
 .PHONY: help setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa \
 	test-cuda-build test-wheel test-sdist wheel sdist docs lint bench bench-train bench-quick \
-	bench-cpu bench-params bench-nonfinite bench-window bench-abi clean
+	bench-cpu bench-params bench-nonfinite bench-window bench-allreduce bench-abi clean
 
 ## help: this list of targets
 help:
@@ -192,6 +192,10 @@ bench-cpu: build
 ## bench-params: what ParameterStats costs a training step
 bench-params: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/parameter_overhead.py --out results/parameter_overhead
+
+## bench-allreduce: all_reduce over 2, 4 and 8 gloo processes
+bench-allreduce: build
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/all_reduce_scaling.py --out results/all_reduce_scaling
 
 ## bench-window: 100,000 batches with window=64 and a Parquet sink beside every batch kept
 bench-window: build
