@@ -7,9 +7,9 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fasthooks"
-# Private names of torch that are its documented way to reach a thing: the module inside a
-# `torch.compile` wrapper.
-TORCH_PRIVATE = {"_orig_mod"}
+# Names with an underscore that are public API: the module inside a `torch.compile` wrapper,
+# and a named tuple's own methods and fields.
+PUBLIC_UNDERSCORED = {"_orig_mod", "_fields", "_field_defaults", "_replace", "_asdict", "_make"}
 
 
 def _root(node: ast.expr) -> str | None:
@@ -29,7 +29,7 @@ def violations(source: str) -> list[str]:
         if isinstance(node, ast.Attribute) and _private(node.attr):
             base = node.value
             own = isinstance(base, ast.Name) and base.id in ("self", "cls")
-            if not own and _root(base) != "torch" and node.attr not in TORCH_PRIVATE:
+            if not own and _root(base) != "torch" and node.attr not in PUBLIC_UNDERSCORED:
                 found.append(f"line {node.lineno}: reads .{node.attr}")
         elif isinstance(node, ast.ImportFrom):
             for alias in node.names:

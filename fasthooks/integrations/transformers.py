@@ -73,7 +73,8 @@ class ActivationStatsCallback(RecordingCallback, TrainerCallback):
     resumed from a checkpoint in `output_dir` continues their columns. With
     `on_nonfinite="raise"` training stops after the step where it was found and
     `trainer.train()` raises `NonFiniteError`. With `window=` and no `sink=`, every column
-    also goes to `<logging_dir>/fasthooks/activations` (`fasthooks.load` reads it). The live
+    also goes to `<logging_dir or output_dir>/fasthooks/activations` (`fasthooks.load` reads
+    it). The live
     object is `.activation_stats`.
     """
 
@@ -96,7 +97,9 @@ class ActivationStatsCallback(RecordingCallback, TrainerCallback):
                     RuntimeWarning,
                     stacklevel=2,
                 )
-        self._recorder.begin(kwargs["model"], state.max_steps, args.logging_dir or args.output_dir)
+        # transformers 5 has no logging_dir: the output folder is the run's own then.
+        log_dir = getattr(args, "logging_dir", None) or args.output_dir
+        self._recorder.begin(kwargs["model"], state.max_steps, log_dir)
         self._pending = None
 
     def on_save(
