@@ -72,7 +72,9 @@ class ColumnStore:
     @property
     def batches(self) -> torch.Tensor:
         """int64 `(held,)`: the batch index of each column held, oldest first."""
-        return torch.tensor(list(self.batch_ids), dtype=torch.int64)
+        ids = list(self.batch_ids)
+        held = ids[len(ids) - self.window.visible(self.num_batches) :]
+        return torch.tensor(held, dtype=torch.int64)
 
     def close(self, batch_id: int) -> bool:
         """Close the open column as batch `batch_id`: send what a chunk holds, move to the next
@@ -108,8 +110,11 @@ class ColumnStore:
     ) -> None:
         """Send the columns to `sink` from now on, after those a resumed state had sent."""
         self.stop_sink()
-        sent = saved.get("sink_sent", 0) if saved is not None else 0
-        through = saved.get("sink_through", -1) if saved is not None else -1
+        sent, through = 0, -1
+        if saved is not None and "sink_sent" in saved:
+            sent, through = saved["sink_sent"], saved["sink_through"]
+        elif saved is not None:  # saved without a sink: the held columns are what it can have
+            sent = saved["num_batches"] - len(saved["batches"])
         describe = {**describe, "kinds": self.kinds}
         self.drain = ColumnDrain(sink, self.window, describe, sent, through)
 

@@ -24,9 +24,10 @@ class NonFinite(NamedTuple):
 
     `batch`: the training batch (its 0-based index, as `act.batches`); `module`: the hooked
     module's qualified name; `direction`: "forward" (its output) or "backward" (its output's
-    gradient); `count`: how many elements of that call were NaN or infinite (None when only mean
-    and std are recorded, which do not count them); `rank`: after `all_reduce`, the rank it was
-    found on (else None).
+    gradient), or for a kind of ParameterStats its name ("weight", "grad", "update", with the
+    parameter's name in `module` and the optimizer step in `batch`); `count`: how many elements
+    of that call were NaN or infinite (None when only mean and std are recorded, which do not
+    count them); `rank`: after `all_reduce`, the rank it was found on (else None).
     """
 
     batch: int
@@ -118,7 +119,7 @@ def candidates(act: ActivationStats) -> list[tuple[tuple[int, int, int], NonFini
         sources.append((order[:, :, start:], this_rank, start))
     batch_ids = act.batches.tolist()
     names = act.module_names
-    direction = "forward" if act.is_forward else "backward"
+    direction = act.kind
     for source, rank, offset in sources:
         hit = earliest(source)
         if hit is None:

@@ -228,6 +228,8 @@ class ParameterStats:
             describe = {
                 "recorder": "ParameterStats",
                 **self._settings(),
+                # The non-finite counts always go: a loaded run's first_nonfinite reads them.
+                "extra": list(dict.fromkeys((*self.extra_names, "nonfinite"))),
                 "types": [type(p).__name__ for p in self._params],
             }
             self._store.start_sink(self.sink, describe, resume)

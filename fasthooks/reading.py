@@ -118,6 +118,20 @@ class Reading:
         log_to_tensorboard(self, writer, step)
 
 
+def stepped_call_order(nonfinite: torch.Tensor) -> torch.Tensor:
+    """The call order of a ParameterStats kind, from its non-finite counts `(rows, steps)`: its
+    operator keeps none, since a step's parameters are measured in one call in row order, so a
+    row whose values held a NaN or an infinity is noted at its row's place with its count.
+
+    Examples:
+        >>> stepped_call_order(torch.tensor([[0, 0], [0, 3]])).tolist()
+        [[[0, 0], [0, 2]], [[0, 0], [0, 3]]]
+    """
+    hit = nonfinite > 0
+    rows = torch.arange(1, nonfinite.shape[0] + 1).unsqueeze(1).expand_as(nonfinite)
+    return torch.stack([torch.where(hit, rows, 0), torch.where(hit, nonfinite, 0)])
+
+
 class KindReading(Reading):
     """One kind of a `ParameterStats` run ("weight", "grad", "update") with the reading API of
     `ActivationStats`: rows are parameters, columns optimizer steps.
@@ -170,5 +184,5 @@ class KindReading(Reading):
 
     @property
     def call_order(self) -> torch.Tensor:
-        """No call order: a step's parameters are measured in one call (zeros)."""
-        return torch.zeros(2, len(self.module_names), len(self.batches), dtype=torch.int64)
+        """`stepped_call_order` of this kind's non-finite counts."""
+        return stepped_call_order(self._store.read(self.kind, "nonfinite"))

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .parquet import read_folder
-from .reading import Reading
+from .reading import Reading, stepped_call_order
 
 
 class Recording(Reading):
@@ -41,6 +41,8 @@ class Recording(Reading):
         self.is_forward = self.kind != "backward"
         self.rank_call_orders = None
         self.batches, self.stats, self.extra = batches, stats, extra
+        if self.recorder == "ParameterStats" and "nonfinite" in extra:
+            order = stepped_call_order(extra["nonfinite"])
         self.call_order = order
         self._hist = hist
 

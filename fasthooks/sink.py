@@ -16,9 +16,10 @@ from .buffers import StatBuffers, host_copies, read_extras
 from .layout import BUFFERS, COUNT, NONFINITE
 from .window import ColumnWindow
 
-# Chunks waiting for the writer thread at most: past this the training thread waits for it, so
-# host memory stays flat when the disk is slower than training.
-MAX_PENDING_CHUNKS = 8
+# Chunks waiting for the writer thread at most (besides the one it writes): past this the
+# training thread waits for it, so host memory stays flat when the disk is slower than training,
+# and a killed process loses at most the window and one chunk.
+MAX_PENDING_CHUNKS = 1
 # Columns drained at once when every batch is kept on the device (window=None).
 UNWINDOWED_CHUNK = 64
 # The host dtype each buffer is read as (as `HostCopy` reads it).

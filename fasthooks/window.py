@@ -45,8 +45,9 @@ class ColumnWindow:
         return [self.column(k) for k in range(closed - self.visible(closed), closed)]
 
     def batch_ids(self) -> deque[int]:
-        """An empty list of batch indices that keeps what the buffers hold (flat on the host)."""
-        return deque(maxlen=self.size)
+        """An empty list of batch indices that keeps what the columns hold (flat on the host):
+        with a window, the N + 1 batches of its columns as a batch closes, before one is reused."""
+        return deque(maxlen=None if self.size is None else self.capacity)
 
     def advance(self, buffers: Iterable[StatBuffers], closed: int) -> bool:
         """After the `closed`-th batch closed, move each buffer's cursor to its next column

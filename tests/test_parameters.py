@@ -244,3 +244,25 @@ def test_global_grad_norm_is_of_the_gradients_stepped_with_when_clipping_engages
     recorded = ps.global_norm("grad").tolist()
     assert recorded[0] == pytest.approx(1.0, rel=1e-5)  # max_norm: the clipped gradients
     assert recorded[1] == pytest.approx(returned[1], rel=1e-5)  # unclipped: the same number
+
+
+def test_a_non_finite_gradient_is_found_and_summarised(tmp_path):
+    pytest.importorskip("pyarrow")
+    from fasthooks import NonFinite, load
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with ParameterStats(model, opt, backend="python", sink=tmp_path) as ps:
+        for step in range(3):
+            x = torch.randn(16, 4)
+            if step == 1:
+                x[0, 0] = float("nan")
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    found = NonFinite(batch=1, module="0.weight", direction="grad", count=8, rank=None)
+    assert ps["grad"].first_nonfinite() == found
+    assert load(tmp_path, kind="grad").first_nonfinite() == found
+    findings = {f.module: f.kind for f in ps["grad"].summary()}
+    assert findings["0.weight"] == "non-finite"
