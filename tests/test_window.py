@@ -202,6 +202,7 @@ def test_parameter_stats_window_and_sink(tmp_path):
         return ps
 
     kept, ps = run(), run(window=3, sink=tmp_path)
+    assert all(b.capacity == 4 for b in ps._store.buffers.values())  # allocated once
     assert ps.num_steps == 13 and ps.steps.tolist() == [10, 11, 12]
     assert _same(ps.stats["grad"], kept.stats["grad"][:, :, -3:])
     assert _same(ps.update_ratio, kept.update_ratio[:, -3:])
@@ -285,6 +286,12 @@ READING_API = (
 
 def test_every_recording_has_the_same_reading_api(tmp_path):
     pytest.importorskip("pandas")
+    try:
+        import matplotlib  # noqa: F401
+
+        plotting = True
+    except ImportError:
+        plotting = False
     model, xs = _model(), _inputs(6)
     act = _record(model, xs, backend="python", window=4, sink=tmp_path / "act", **OPTIONS)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -311,6 +318,9 @@ def test_every_recording_has_the_same_reading_api(tmp_path):
         assert len(reading.to_dataframe()) > 0, name
         assert reading.summary() is not None, name
         reading.first_nonfinite()
+        if plotting:
+            for figure in (reading.plot(), reading.plot_layer_stats(0), reading.color_dim(0)):
+                assert figure.axes, name
     assert readings["ps"].metric_prefix == "parameters/grad"
     assert readings["loaded ps"].metric_prefix == "parameters/grad"
     assert _same(readings["loaded ps"].stats[:, :, -4:], readings["ps"].stats)

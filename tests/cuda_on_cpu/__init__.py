@@ -196,23 +196,11 @@ def accumulate(
     _run("accumulate_stats_list", xs, bases, *buffers, *options, stream=stream, resident=resident)
 
 
-def accumulate_list(
-    xs: list[torch.Tensor],
-    bases: list[torch.Tensor],
-    state: torch.Tensor,
-    stats: torch.Tensor,
-    extra: torch.Tensor,
-    hist: torch.Tensor,
-    workspace: torch.Tensor,
-    cursor: torch.Tensor,
-    near_zero: float = 0.05,
-    hist_min: float = 0.0,
-    hist_max: float = 10.0,
-    *,
-    stream: int = 0,
-) -> None:
-    """`accumulate_stats_list` through the CUDA operator's list path, on CPU tensors."""
-    if workspace.numel() == 0:
-        workspace = workspace_for(state)
-    args = (xs, bases, state, stats, extra, hist, workspace, cursor, near_zero, hist_min, hist_max)
+def accumulate_list(*args: object, stream: int = 0) -> None:
+    """`accumulate_stats_list` (its schema's arguments, as `torch.ops.fasthooks` takes them)
+    through the CUDA operator's list path, on CPU tensors; an empty workspace (CPU buffers) is
+    replaced by one kept for the state."""
+    args = list(args)
+    if args[6].numel() == 0:  # the workspace, after xs, bases and the four statistics buffers
+        args[6] = workspace_for(args[2])
     _run("accumulate_stats_list", *args, stream=stream, resident=None)
