@@ -137,3 +137,17 @@ def test_a_compiled_model_records_what_eager_records():
     assert act.module_names == ["0", "2"]
     eager.train()  # fastai leaves it in eval mode after validating
     assert_same_recording(act, record_steps(eager, _data().tensors[0].split(BATCH), **options))
+
+
+def test_a_window_sinks_every_step_under_the_learners_path(tmp_path):
+    pytest.importorskip("pyarrow")
+    from fasthooks import load
+
+    callback = ActivationStatsCallback(window=3)
+    learn = _learner(cbs=[callback])
+    learn.path = tmp_path
+    _fit(learn)
+    act = callback.activation_stats
+    loaded = load(tmp_path / "fasthooks" / "activations")
+    assert loaded.batches.tolist() == list(range(act.num_batches))
+    assert torch.equal(loaded.stats[:, :, -3:], act.stats)

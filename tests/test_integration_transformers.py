@@ -204,3 +204,18 @@ def test_a_compiled_model_is_recorded_like_the_eager_one(tmp_path):
     assert act.module_names == want.module_names
     assert act.num_batches == want.num_batches == trainer.state.global_step
     assert act.stats.isfinite().all() and act.extra["max"].isfinite().all()
+
+
+def test_a_window_sinks_every_step_under_the_output_dir(tmp_path):
+    pytest.importorskip("pyarrow")
+    from fasthooks import load
+
+    callback = ActivationStatsCallback(window=3)
+    trainer = _trainer(callback, tmp_path)
+    trainer.train()
+    act = callback.activation_stats
+    steps = trainer.state.global_step
+    assert act.num_batches == steps and len(act.batches) == 3
+    loaded = load(tmp_path / "fasthooks" / "activations")
+    assert loaded.batches.tolist() == list(range(steps))
+    assert torch.equal(loaded.stats[:, :, -3:], act.stats)
