@@ -1,6 +1,7 @@
 """fasthooks: fastai v1's hooks API for any PyTorch model, with fused activation statistics."""
 
 from ._version import __version__
+from .build_info import build_info
 from .hook import (
     Hook,
     HookCallback,
@@ -50,6 +51,7 @@ __all__ = [
     "SinkChunk",
     "StatisticsError",
     "__version__",
+    "build_info",
     "dummy_batch",
     "dummy_eval",
     "extension_available",

@@ -247,3 +247,20 @@ def test_a_device_the_build_has_no_kernel_for_falls_back_or_is_refused(monkeypat
         fasthooks.ops.backend_for_device("fused", "fused", xpu)
     assert fasthooks.ops.backend_for_device("python", "python", xpu) == "python"
     assert fasthooks.ops.backend_for_device("fused", "fused", torch.device("cpu")) == "fused"
+
+
+def test_python_m_fasthooks_says_what_it_holds_and_checks_its_kernels():
+    run = subprocess.run(
+        [sys.executable, "-m", "fasthooks"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
+    )
+    assert "fasthooks: " in run.stdout and "torch: " in run.stdout, run.stdout
+    if fasthooks.extension_available():
+        assert run.returncode == 0, run.stdout + run.stderr
+        for dtype in ("float32", "float16", "bfloat16"):
+            assert f"self-check cpu torch.{dtype}: ok" in run.stdout
+    else:
+        assert run.returncode == 1 and "did not load" in run.stdout
