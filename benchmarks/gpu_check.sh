@@ -33,6 +33,9 @@ cat "$out/setup.log"
 stage build 300 "$out/setup.log" env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
   "$python" -m pip install -q --no-build-isolation --no-deps -e .
 
+# What the installation holds, and the fused kernels against the python backend on every device.
+stage self-check 120 "$out/setup.log" "$python" -m fasthooks
+
 # Registers and spills of each kernel for this GPU's architecture, beside the README's table.
 arch=$("$python" -c "import torch; print('%d%d' % torch.cuda.get_device_capability())" 2>/dev/null)
 stage resources 120 "$out/setup.log" "$python" benchmarks/cuda_resources.py --archs "${arch:-90}"
