@@ -134,6 +134,18 @@ class StatBuffers:
             getattr(moved, name).copy_(tensor)
         return moved
 
+    def with_rows(self, rows: int) -> StatBuffers:
+        """The same buffers and cursor with `rows` rows: the first ones kept, the others empty."""
+        grown = StatBuffers(
+            rows, self.capacity, self.state.device, self.full, self.hist_bins, self.ordered
+        )
+        grown.cursor.copy_(self.cursor)
+        for spec in BUFFERS:
+            old = getattr(self, spec.name)
+            if old.numel() > 0:  # the rows are the axis before the columns
+                getattr(grown, spec.name).narrow(spec.axis - 1, 0, self.num_modules).copy_(old)
+        return grown
+
     def clear_column(self) -> None:
         """Forget every module's statistics at the cursor's column."""
         column = self.cursor.reshape(1)

@@ -103,6 +103,11 @@ class ColumnStore:
         self.buffers = {kind: b.moved_to(device) for kind, b in self.buffers.items()}
         self.reset_host()
 
+    def add_rows(self, rows: int) -> None:
+        """Grow every buffer to `rows` rows (names that other ranks recorded, after a merge)."""
+        self.buffers = {kind: b.with_rows(rows) for kind, b in self.buffers.items()}
+        self.reset_host()
+
     # The sink ---------------------------------------------------------------------------------
 
     def start_sink(

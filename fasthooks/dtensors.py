@@ -1,11 +1,13 @@
 """Distributed tensors (`torch.distributed.tensor.DTensor`: FSDP2's parameters and gradients,
-tensor-parallel outputs) are recorded from their local piece, with their placements kept."""
+tensor-parallel outputs) are recorded from their local piece, with what each piece is kept, so
+that a merge over ranks counts every value of the whole tensor once."""
 
 from __future__ import annotations
 
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -17,7 +19,7 @@ def dtensor_type() -> type | None:
     return None if module is None else module.DTensor
 
 
-def is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: Any) -> bool:
     """Whether `t` is a DTensor; one type check for a plain tensor.
 
     Examples:
@@ -36,42 +38,86 @@ def describe_placements(t: torch.Tensor) -> str:
     return f"({placements},) on {tuple(t.device_mesh.shape)}"
 
 
-def first_replica(t: torch.Tensor) -> bool:
-    """Whether this rank holds the first copy of a DTensor's piece: coordinate 0 on every mesh
-    dimension that replicates it (so that merging ranks counts the piece once)."""
-    coordinate = t.device_mesh.get_coordinate()
-    return all(
-        not placement.is_replicate() or coordinate[dim] == 0
-        for dim, placement in enumerate(t.placements)
-    )
-
-
 def is_partial(t: torch.Tensor) -> bool:
     """Whether a DTensor holds partial values on some mesh dimension (a sum still to be taken)."""
     return any(p.is_partial() for p in t.placements)
 
 
+class Piece:
+    """Which ranks hold the same values as this one: those whose coordinates on the mesh's root
+    (the whole `DeviceMesh` it was sliced from) equal this rank's on every dimension that does
+    not replicate the tensor.
+
+    `replicated`: the replicating dimensions of `mesh`. The root's other dimensions replicate it
+    too when `outside_replicated` (a parameter: FSDP2 shards it over data parallelism, and each
+    tensor-parallel rank holds the same shard), else they hold other values (an activation:
+    another batch).
+    """
+
+    def __init__(self, mesh: Any, replicated: tuple[int, ...], outside_replicated: bool) -> None:
+        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+        if root is mesh or names is None or root_names is None:
+            root, inside = mesh, list(range(mesh.ndim))
+        else:
+            inside = [root_names.index(n) for n in names]
+        same = {inside[d] for d in replicated}
+        if outside_replicated:
+            same |= set(range(root.ndim)) - set(inside)
+        kept = [d for d in range(root.ndim) if d not in same]
+        ranks = root.mesh.reshape(-1).tolist()
+        coordinates = torch.stack(torch.unravel_index(torch.arange(len(ranks)), root.mesh.shape))
+        keys = coordinates[kept].t().tolist() if kept else [[] for _ in ranks]
+        self._key = dict(zip(ranks, map(tuple, keys), strict=True))
+
+    def same(self, rank: int, other: int) -> bool:
+        """Whether `other` holds the same values as `rank`."""
+        key = self._key.get(rank)
+        return key is not None and self._key.get(other) == key
+
+    @staticmethod
+    def of(t: torch.Tensor, outside_replicated: bool) -> Piece:
+        """The piece of a DTensor: replicated over its `Replicate` mesh dimensions."""
+        replicated = tuple(d for d, p in enumerate(t.placements) if p.is_replicate())
+        return Piece(t.device_mesh, replicated, outside_replicated)
+
+
 class LocalPieces:
-    """The local piece of each distributed tensor a recorder measures, with the placements of
-    each row remembered (the first seen) and one warning per row for partial values.
+    """The local piece of each distributed tensor a recorder measures, with what each row's
+    piece is (`Piece`, the first seen) and its placements, and one warning per row for partial
+    values.
 
     What is recorded for a `Partial` placement: the rank's own partial values (a sum over ranks
     still to be taken), not the values; reducing them would cost a collective on every call.
+    A tensor-parallel module that hands on a plain local tensor (`use_local_output=True`, the
+    default of the built-in styles) is seen as a DTensor just before it does (`probe`): its
+    output is a replica when the local tensor has the whole shape, else a shard.
     """
 
-    def __init__(self, recorder: str) -> None:
-        self.recorder = recorder
+    def __init__(self, recorder: str, parameters: bool) -> None:
+        self.recorder, self.parameters = recorder, parameters
         self.placements: dict[int, str] = {}  # by row
-        self.replicas: set[int] = set()  # rows this rank holds a replica of, not the first
+        self.pieces: dict[int, Piece] = {}  # by row: the ranks holding the same values
+        self.mesh: Any = None  # the mesh of the first distributed tensor seen
+        # A tensor-parallel module's DTensor output, by row: its mesh and whole shape.
+        self._raw: dict[int, tuple[Any, tuple[int, ...]]] = {}
+
+    @property
+    def pending(self) -> bool:
+        """Whether a tensor-parallel module's DTensor output awaits its local tensor: then a
+        plain tensor goes through `local` too."""
+        return bool(self._raw)
 
     def local(self, t: torch.Tensor, row: int, name: Callable[[], str]) -> torch.Tensor:
         """`t` itself, or its local piece when it is a DTensor (`name()` names row `row`)."""
         if not is_dtensor(t):
+            if row in self._raw and row not in self.pieces:
+                self._seen_local(t, row)
             return t
         if row not in self.placements:
+            self.mesh = t.device_mesh if self.mesh is None else self.mesh
             self.placements[row] = describe_placements(t)
-            if not first_replica(t):
-                self.replicas.add(row)
+            self.pieces[row] = Piece.of(t, outside_replicated=self.parameters)
             if is_partial(t):
                 warnings.warn(
                     f"{self.recorder}: {name()} is a DTensor with partial values "
@@ -81,6 +127,24 @@ class LocalPieces:
                     stacklevel=4,
                 )
         return t.to_local()
+
+    def probe(self, row: int) -> Callable[..., None]:
+        """A forward hook, to run before a tensor-parallel module's own output hook, that keeps
+        the module's first DTensor output (its mesh and whole shape)."""
+
+        def seen(m: Any, i: Any, o: Any) -> None:
+            if row not in self.pieces and row not in self._raw and is_dtensor(o):
+                self._raw[row] = (o.device_mesh, tuple(o.shape))
+
+        return seen
+
+    def _seen_local(self, t: torch.Tensor, row: int) -> None:
+        mesh, shape = self._raw.pop(row)
+        self.mesh = mesh if self.mesh is None else self.mesh
+        whole = tuple(t.shape) == shape
+        self.pieces[row] = Piece(mesh, tuple(range(mesh.ndim)) if whole else (), False)
+        what = "Replicate" if whole else "a shard"
+        self.placements[row] = f"local output, {what} on {tuple(mesh.shape)}"
 
     def by_name(self, names: list[str]) -> dict[str, str]:
         """The placements seen, by the name of their row."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -105,30 +105,16 @@ def earliest(order: torch.Tensor) -> tuple[int, int, int, int] | None:
 
 
 def candidates(act: ActivationStats) -> list[tuple[tuple[int, int, int], NonFinite]]:
-    """Each rank's earliest non-finite call of a run (this process's before `all_reduce`), with
-    the key that orders them: (batch, clock, rank)."""
-    order = act.call_order
-    found = []
-    reduced = act.rank_call_orders
-    if reduced is None:
-        sources: Iterable[tuple[torch.Tensor, int | None, int]] = [(order, None, 0)]
-    else:
-        orders, this_rank = reduced
-        start = orders.shape[3]
-        sources = [(ranked, rank, 0) for rank, ranked in enumerate(orders)]
-        sources.append((order[:, :, start:], this_rank, start))
-    batch_ids = act.batches.tolist()
-    names = act.module_names
-    direction = act.kind
-    for source, rank, offset in sources:
-        hit = earliest(source)
-        if hit is None:
-            continue
-        column, module, clock, count = hit
-        batch = batch_ids[offset + column]
-        where = NonFinite(batch, names[module], direction, None if count < 0 else count, rank)
-        found.append(((batch, clock, -1 if rank is None else rank), where))
-    return found
+    """A run's earliest non-finite call, with the key that orders runs: (batch, clock, rank);
+    after `all_reduce`, the earliest over the ranks merged, naming the rank."""
+    hit = earliest(act.call_order)
+    if hit is None:
+        return []
+    column, module, clock, count = hit
+    batch, name = int(act.batches[column]), act.module_names[module]
+    rank = act.nonfinite_ranks.get((batch, name))
+    where = NonFinite(batch, name, act.kind, None if count < 0 else count, rank)
+    return [((batch, clock, -1 if rank is None else rank), where)]
 
 
 def first_nonfinite(*runs: ActivationStats) -> NonFinite | None:

@@ -23,9 +23,9 @@ from .arguments import (
 )
 from .buffers import StatBuffers
 from .column_store import ColumnStore
-from .distributed import all_reduce, process_group_rank
-from .dtensors import LocalPieces, is_dtensor
+from .dtensors import LocalPieces
 from .layout import COUNT, DERIVED_EXTRAS, M2, MEAN
+from .merging import Merged, Rows, all_reduce
 from .ops import backend_for_device, resolve_backend, resolve_list_backend
 from .reading import KindReading
 from .window import ColumnWindow
@@ -169,9 +169,9 @@ class ParameterStats:
         self.near_zero = check_near_zero(near_zero)
         self._accumulate = resolve_list_backend(backend)
         self._backend = (backend, resolve_backend(backend)[0])  # as asked for, and resolved
-        self.param_names, self._params = _stepped_parameters(model, optimizer, parameters)
+        self._names, self._params = _stepped_parameters(model, optimizer, parameters)
         self._store: ColumnStore | None = None
-        self._pieces = LocalPieces("ParameterStats")
+        self._pieces = LocalPieces("ParameterStats", parameters=True)
         self._handles: list[Any] = []
         self._resume: dict[str, Any] | None = None
         self._start()
@@ -179,6 +179,19 @@ class ParameterStats:
     def _start(self) -> None:
         self._step_count = 0  # optimizer steps seen
         self._recording = False
+        self._merged = Merged()
+        self._others: list[tuple[str, str]] = []  # (name, type) of rows only other ranks hold
+
+    @property
+    def param_names(self) -> list[str]:
+        """The qualified name of each recorded parameter, in row order (after `all_reduce`,
+        those only other ranks hold follow)."""
+        return self._names + [name for name, _ in self._others]
+
+    @property
+    def param_types(self) -> list[str]:
+        """The class name of each recorded parameter (a DTensor's is "DTensor"), in row order."""
+        return [type(p).__name__ for p in self._params] + [t for _, t in self._others]
 
     # Lifecycle ------------------------------------------------------------------------------
 
@@ -230,7 +243,7 @@ class ParameterStats:
                 **self._settings(),
                 # The non-finite counts always go: a loaded run's first_nonfinite reads them.
                 "extra": list(dict.fromkeys((*self.extra_names, "nonfinite"))),
-                "types": [type(p).__name__ for p in self._params],
+                "types": self.param_types,
             }
             self._store.start_sink(self.sink, describe, resume)
         self._handles = [
@@ -351,30 +364,33 @@ class ParameterStats:
         """The row of a parameter, given its qualified name or an index (negative too)."""
         return module_position(self.param_names, param)
 
-    def all_reduce(self, group: Any = None) -> None:
+    def all_reduce(
+        self, group: Any = None, mesh: Any = None, mesh_dims: Any = None, batches: Any = None
+    ) -> None:
         """Merge every rank's columns into the statistics of whole parameters, on every rank of
-        `group` (default: the world): call it on every rank after training (or before reading).
+        `group` (default: the world), or of each of the chosen `mesh_dims` of `mesh`: call it on
+        every rank after training (or before reading, or at a log step with `batches=`, the step
+        indices as `ps.steps` names them). Arguments as `ActivationStats.all_reduce`.
 
         A sharded parameter (FSDP2's, a tensor-parallel one) merges its pieces into the whole;
-        a replicated one counts once: a DTensor `Replicate` piece from the ranks at coordinate 0
-        on its replicating mesh dimensions, a plain parameter (the same on every rank under
-        `DistributedDataParallel`) from rank 0. Then `stats`, `extra`, `hist`, `update_ratio`
-        and `global_norm` are those of the whole model, as one process holding it all records
-        them. Every rank must record the same parameters with the same options.
+        a replicated one counts once: a DTensor `Replicate` piece from one of the ranks holding
+        it, and a plain parameter (the same on every rank under `DistributedDataParallel`) from
+        the lowest rank that holds it. Parameters merge by name: pipeline stages end with every
+        stage's. Then `stats`, `extra`, `hist`, `update_ratio` and `global_norm` are those of
+        the whole model, as one process holding it all records them.
         """
         if self._store is None:
             raise RuntimeError("all_reduce() called before start() (the `with ps:` block)")
-        if self.window is not None:
-            raise NotImplementedError(
-                "all_reduce() merges every recorded column, and a run with window= keeps only "
-                "the newest: record without window= to merge across ranks"
-            )
-        rank = process_group_rank(group)
-        plain = {i for i, p in enumerate(self._params) if not is_dtensor(p)}
-        replicas = self._pieces.replicas | (plain if rank != 0 else set())
-        for buffers in self._store.buffers.values():
-            all_reduce(buffers, self.num_steps, group, replicas)
-        self._store.reset_host()
+        rows = Rows(
+            self.param_names,
+            self.param_types,
+            self._pieces.pieces,
+            plain_replicated=True,
+            settings=self._options_settings(),
+        )
+        own = len(self._names)
+        all_reduce(self._store, rows, self._merged, group, mesh, mesh_dims, batches)
+        self._others = list(zip(rows.names[own:], rows.types[own:], strict=True))
 
     @property
     def placements(self) -> dict[str, str]:
@@ -390,7 +406,7 @@ class ParameterStats:
             raise KeyError(f"kind {kind!r} is not recorded; recorded kinds: {self.kinds}")
         if self._store is None:
             raise RuntimeError(f'ps["{kind}"] is read after start() (the `with ps:` block)')
-        settings = {**self._settings(), "types": [type(p).__name__ for p in self._params]}
+        settings = {**self._settings(), "types": self.param_types}
         return KindReading(self._store, kind, settings)
 
     def layer_stats(self, param: int | str) -> dict[str, dict[str, torch.Tensor]]:
@@ -421,8 +437,10 @@ class ParameterStats:
     # Saving ---------------------------------------------------------------------------------
 
     def _settings(self) -> dict[str, Any]:
+        return {"names": self.param_names, **self._options_settings()}
+
+    def _options_settings(self) -> dict[str, Any]:
         return {
-            "names": list(self.param_names),
             "kinds": list(self.kinds),
             "extra": list(self.extra_names),
             "near_zero": self.near_zero,

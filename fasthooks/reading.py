@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 class Reading:
     """What reading needs from a recording (`stats`, `extra`, `hist`, `batches`, `num_batches`,
-    `module_names`, `module_types`, `call_order`, `rank_call_orders`, `kind`, `recorder`,
+    `module_names`, `module_types`, `call_order`, `nonfinite_ranks`, `kind`, `recorder`,
     `is_forward`, `extra_names`, `hist_bins`, `hist_min`, `hist_max`), and all it derives."""
 
     @property
@@ -150,10 +150,10 @@ class KindReading(Reading):
 
     recorder = "ParameterStats"
     is_forward = True
-    rank_call_orders = None
 
     def __init__(self, store: ColumnStore, kind: str, settings: dict[str, Any]) -> None:
         self._store, self.kind = store, kind
+        self.nonfinite_ranks: dict[tuple[int, str], int] = {}
         self.module_names = list(settings["names"])
         self.module_types = list(settings["types"])
         self.extra_names = tuple(settings["extra"])

@@ -39,7 +39,7 @@ class Recording(Reading):
         self.hist_bins = int(settings.get("hist_bins", 0))
         self.hist_min, self.hist_max = (float(v) for v in settings.get("hist_range", (0, 1)))
         self.is_forward = self.kind != "backward"
-        self.rank_call_orders = None
+        self.nonfinite_ranks: dict[tuple[int, str], int] = {}
         self.batches, self.stats, self.extra = batches, stats, extra
         if self.recorder == "ParameterStats" and "nonfinite" in extra:
             order = stepped_call_order(extra["nonfinite"])

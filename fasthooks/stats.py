@@ -22,10 +22,10 @@ from .arguments import (
 )
 from .buffers import StatBuffers
 from .column_store import ColumnStore
-from .distributed import all_reduce
 from .dtensors import LocalPieces
 from .hook import HookCallback
 from .layout import COUNT
+from .merging import Merged, Rows, all_reduce
 from .nonfinite import NonFiniteWatch
 from .ops import backend_for_device, resolve_backend
 from .outputs import measured_tensor
@@ -204,14 +204,15 @@ class ActivationStats(HookCallback, Reading):
         if self.modules is not None:
             self._slots = self._check_unique(self.modules)
         self._store: ColumnStore | None = None
-        self._pieces = LocalPieces("ActivationStats")
+        self._pieces = LocalPieces("ActivationStats", parameters=False)
         self._device_pending = False
         self._args: tuple[torch.Tensor, ...] = ()
         self._dropped_reported = 0
         self._resume: dict[str, Any] | None = None
         self._leaving_on_error = False
-        self._rank_orders: torch.Tensor | None = None  # every rank's call order, by all_reduce
-        self._rank: int | None = None
+        self._merged = Merged()
+        self._others: list[tuple[str, str]] = []  # (name, type) of rows only other ranks hook
+        self._probes: list[Any] = []
         self._start_sampling()
 
     def _start_sampling(self) -> None:
@@ -259,9 +260,14 @@ class ActivationStats(HookCallback, Reading):
         self._slots, self._store = slots, store
         self._args = store.buffers[self.kind].op_args()
         self._warned = set()
-        self._pieces = LocalPieces("ActivationStats")
+        self._pieces = LocalPieces("ActivationStats", parameters=False)
+        self._probes = [
+            m.register_forward_hook(self._pieces.probe(slots[m]), prepend=True)
+            for m in modules
+            if getattr(m, "_distribute_module_applied", False)
+        ]
         self._dropped_reported = 0
-        self._rank_orders, self._rank = None, None
+        self._merged, self._others = Merged(), []
         self._watch.reset()
         self._start_sampling()
         if resume is not None:
@@ -284,8 +290,11 @@ class ActivationStats(HookCallback, Reading):
 
     def _settings(self) -> dict[str, Any]:
         """What must match for a saved state's columns to continue."""
+        return {"names": self.module_names, **self._options_settings()}
+
+    def _options_settings(self) -> dict[str, Any]:
+        """What must match for columns to merge: the options."""
         return {
-            "names": self.module_names,
             "extra": list(self.extra_names),
             "near_zero": self.near_zero,
             "hist_bins": self.hist_bins,
@@ -317,7 +326,7 @@ class ActivationStats(HookCallback, Reading):
     @property
     def module_types(self) -> list[str]:
         """The class name of each hooked module, in column order."""
-        return [type(m).__name__ for m in self.resolve_modules()]
+        return [type(m).__name__ for m in self.resolve_modules()] + [t for _, t in self._others]
 
     def flush(self) -> None:
         """Send every recorded column not yet in the sink to it, and wait until it has them."""
@@ -393,7 +402,7 @@ class ActivationStats(HookCallback, Reading):
             return
         if self._device_pending:
             self._adopt_device(x.device)
-        if type(x) is not torch.Tensor:  # a DTensor: its local piece
+        if type(x) is not torch.Tensor or self._pieces.pending:  # a DTensor: its local piece
             x = self._pieces.local(x, slot, lambda: self._name(m))
         self._accumulate(x.detach(), *self._args, slot, *self._options)
 
@@ -449,6 +458,12 @@ class ActivationStats(HookCallback, Reading):
     def _name(self, m: nn.Module) -> str:
         return f"{self.module_names[self._slots[m]]} ({type(m).__name__})"
 
+    def _remove_hooks(self) -> None:
+        super()._remove_hooks()
+        for probe in self._probes:
+            probe.remove()
+        self._probes = []
+
     def on_train_end(self, **kwargs: Any) -> None:
         """Remove the hooks when `do_remove`; warn when statistics were never closed in a batch;
         report a non-finite batch not yet reported (`on_nonfinite`)."""
@@ -494,38 +509,56 @@ class ActivationStats(HookCallback, Reading):
             column = self._placement.column(self.num_batches - 1)
             self._watch.batch_closed(self, self._buffers.order, column)
 
-    def all_reduce(self, group: Any = None) -> None:
+    def all_reduce(
+        self, group: Any = None, mesh: Any = None, mesh_dims: Any = None, batches: Any = None
+    ) -> None:
         """Merge every rank's recorded columns into statistics of the whole batch, on every rank.
 
-        Under `DistributedDataParallel` each rank records its own shard, with no communication
-        per batch; call this once (at the end of training, or before reading) on every rank of
-        `group` (default: the whole world). Counts, extremes and histograms add up exactly, and
-        means and central moments merge by the operator's rule, so uneven shards are right.
-        Every rank must hook the same modules with the same options and have closed the same
-        number of batches; the open column is left as it is. A module whose output is a DTensor
-        merges its pieces: `Shard` pieces into the whole tensor, a `Replicate` piece counted once
-        (from the ranks at coordinate 0 on its replicating mesh dimensions).
+        Under data parallelism each rank records its own shard, with no communication per batch;
+        call this (at the end of training, before reading, or at a log step) on every rank of
+        `group` (default: the whole world), or of each of the chosen `mesh_dims` of a
+        `DeviceMesh` `mesh` (names or indices; default: all of them). Counts, extremes and
+        histograms add up exactly, and means and central moments merge by the operator's rule,
+        so uneven shards are right. See `docs/frameworks.md` for what each kind of
+        parallelism records.
+
+        - Modules merge by name: ranks that hook different modules (pipeline stages) all end
+          with the union of the names, each merged over the ranks that hook it; a module only
+          other ranks hook gets a row here, after this rank's own.
+        - `batches`: the batch indices (as `act.batches` names them) to merge; default every
+          column held, with `window=` too. A column merged before counts each rank's values
+          once when merged again (over the same ranks, or more of them).
+        - A module whose output is a DTensor merges its pieces: `Shard` pieces into the whole
+          tensor, a `Replicate` piece counted once; a tensor-parallel module that returns a
+          local tensor is a replica when it holds the whole shape, else a shard.
+
+        Every rank must record with the same options and merge the same batches: if not, every
+        rank raises the same `ValueError`. The open column is left as it is. Memory and traffic
+        per rank are those of the merged columns, whatever the number of ranks.
         """
         if self._buffers is None:
             raise RuntimeError(
                 "all_reduce() called before any statistics were recorded: call it after the "
                 "training loop (or inside `with act:`)"
             )
-        if self.window is not None:
-            raise NotImplementedError(
-                "all_reduce() merges every recorded column, and a run with window= keeps only "
-                "the newest: record without window= to merge across ranks"
-            )
-        replicas = self._pieces.replicas
-        merged = all_reduce(self._buffers, self.num_batches, group, replicas)
-        self._rank_orders, self._rank = merged
-        self._store.reset_host()  # columns already copied to the host have changed
+        rows = Rows(
+            self.module_names,
+            self.module_types,
+            self._pieces.pieces,
+            plain_replicated=False,
+            settings=self._options_settings(),
+            replica_mesh=self._pieces.mesh,
+        )
+        own = len(rows.names) - len(self._others)
+        all_reduce(self._store, rows, self._merged, group, mesh, mesh_dims, batches)
+        self._others = list(zip(rows.names[own:], rows.types[own:], strict=True))
+        self._args = self._buffers.op_args()  # a merge that added rows made new buffers
 
     @property
-    def rank_call_orders(self) -> tuple[torch.Tensor, int] | None:
-        """After `all_reduce`: every rank's call order `(ranks, 2, modules, batches)` and this
-        rank; else None."""
-        return None if self._rank_orders is None else (self._rank_orders, self._rank)
+    def nonfinite_ranks(self) -> dict[tuple[int, str], int]:
+        """After `all_reduce`: the rank of each merged slot's first non-finite call, by (batch,
+        module name); slots without one are absent."""
+        return self._merged.nonfinite_ranks
 
     @property
     def num_batches(self) -> int:
@@ -545,7 +578,8 @@ class ActivationStats(HookCallback, Reading):
         model itself is named by its class. A `torch.compile`d part of the model is named as
         before it was compiled (`"net.0"`, not `"net._orig_mod.0"`)."""
         names = {m: uncompiled_name(name) for name, m in self.model.named_modules() if name}
-        return [names.get(m, type(m).__name__) for m in self.resolve_modules()]
+        own = [names.get(m, type(m).__name__) for m in self.resolve_modules()]
+        return own + [name for name, _ in self._others]
 
     def __repr__(self) -> str:
         statistics = ["mean", "std", *self.extra_names] + (

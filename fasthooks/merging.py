@@ -1,0 +1,347 @@
+"""`all_reduce` of a recorder's columns: both recorders' rows merged by name over process groups
+(or the dimensions of a device mesh), only the columns asked, each piece of every tensor counted
+once, with memory and traffic per rank the size of the merged columns whatever the world size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .buffers import StatBuffers
+from .column_store import ColumnStore
+from .distributed import (
+    differ,
+    digest,
+    gathered,
+    group_ranks,
+    merge_groups,
+    reduce_state,
+    union_of_ranks,
+)
+from .dtensors import Piece
+from .moments import finalise
+
+_NONE = torch.iinfo(torch.int64).max  # the order key of a slot with no non-finite value
+
+
+@dataclass
+class Rows:
+    """What a recorder says of its rows for a merge: their names and types, the piece each DTensor
+    row holds, and whether a plain row holds the same values on every rank that has it (a
+    parameter under data parallelism) or its own (an activation of its own batch)."""
+
+    names: list[str]
+    types: list[str]
+    pieces: dict[int, Piece]
+    plain_replicated: bool
+    settings: dict[str, Any]
+    # The mesh of tensor parallelism, whose ranks see the same batch: a plain row whose values
+    # there are the same on all of them (its merge states are equal) is one tensor.
+    replica_mesh: Any = None
+
+
+@dataclass
+class Merged:
+    """The columns merged so far, kept by a recorder between merges: which ranks' values each
+    column holds (by batch; absent: this rank's own), and the rank of each merged slot's first
+    non-finite call, by (batch, row name)."""
+
+    holders: dict[int, frozenset[int]] = field(default_factory=dict)
+    nonfinite_ranks: dict[tuple[int, str], int] = field(default_factory=dict)
+
+
+def all_reduce(
+    store: ColumnStore,
+    rows: Rows,
+    merged: Merged,
+    group: Any = None,
+    mesh: Any = None,
+    mesh_dims: Any = None,
+    batches: Any = None,
+) -> None:
+    """Merge the columns of `batches` (default: every column held) over `group`, or over the
+    chosen `mesh_dims` of `mesh` one after another, on every rank of them. A name that only
+    other ranks recorded gets a row here (added to `rows` and the store): the union by name."""
+    import torch.distributed as dist
+
+    groups = merge_groups(group, mesh, mesh_dims)
+    ids, columns = _chosen_columns(store, batches)
+    me, world = dist.get_rank(), dist.get_world_size()
+    device = next(iter(store.buffers.values())).state.device
+    columns = columns.to(device)
+    merged.holders = {b: merged.holders[b] for b in store.batches.tolist() if b in merged.holders}
+    winners = _winners(rows, merged, ids, me, device)
+    for step, g in enumerate(groups):
+        holders = _agree(store, rows, merged, ids, g, device)
+        if step == 0:  # before any merge, once every rank is known to agree
+            replicas = _plain_replicas(store, rows, columns)
+        contributes = _contributions(rows, merged, ids, group_ranks(g), holders, me, replicas)
+        contributes = contributes.to(device)
+        canonical = sorted(range(len(rows.names)), key=rows.names.__getitem__)
+        index = torch.tensor(canonical, device=device)
+        winners = _grown(winners, len(rows.names), me)
+        for b in store.buffers.values():
+            winners = _reduce_columns(b, columns, index, contributes, winners, g, world)
+        _note_holders(merged, ids, me, device, g)
+    store.reset_host()
+    _note_nonfinite_ranks(store, rows, merged, ids, winners)
+
+
+def _chosen_columns(store: ColumnStore, batches: Any) -> tuple[list[int], torch.Tensor]:
+    """The batch indices to merge and the columns holding them."""
+    held = store.batches.tolist()
+    physical = store.window.columns(store.num_batches)
+    if batches is None:
+        return held, torch.tensor(physical, dtype=torch.int64)
+    if isinstance(batches, torch.Tensor):
+        batches = batches.tolist()
+    elif isinstance(batches, int):
+        batches = [batches]
+    position = {b: i for i, b in enumerate(held)}
+    chosen = []
+    for b in batches:
+        if not isinstance(b, int) or b not in position:
+            raise ValueError(
+                f"batches: {b!r} is not a batch held (the held ones are act.batches: "
+                f"{held[:3]}...{held[-3:]})"
+                if len(held) > 6
+                else f"batches: {b!r} is not a batch held (the held ones: {held})"
+            )
+        chosen.append(b)
+    if len(set(chosen)) != len(chosen):
+        raise ValueError("batches: give each batch once")
+    return chosen, torch.tensor([physical[position[b]] for b in chosen], dtype=torch.int64)
+
+
+def _describe(store: ColumnStore, rows: Rows, ids: list[int]) -> dict[str, Any]:
+    """What must be the same on every rank for a merge (names aside)."""
+    held = f"{len(ids)} batches" + (f" ({ids[0]}..{ids[-1]})" if ids else "")
+    mesh = None if rows.replica_mesh is None else list(rows.replica_mesh.shape)
+    return {**rows.settings, "kinds": list(store.buffers), "merged": held, "tp_mesh": mesh}
+
+
+def _agree(
+    store: ColumnStore,
+    rows: Rows,
+    merged: Merged,
+    ids: list[int],
+    group: Any,
+    device: torch.device,
+) -> dict[str, list[int]] | None:
+    """Check that every rank of `group` merges the same columns with the same options (a clear
+    error on every rank, never a hang); when their names differ, add a row for each name only
+    others recorded and return which ranks hold each name (None: every rank holds every name).
+
+    One reduction of two digests; only when the names differ, one gather of the names."""
+    pattern = [_class_index(merged, ids)]
+    settings = digest([digest(_describe(store, rows, ids)), digest(torch.tensor(ids)), pattern])
+    settings_differ, names_differ = differ([settings, digest(sorted(rows.names))], device, group)
+    if settings_differ:
+        described = gathered(_describe(store, rows, ids), group)
+        by_rank = "; ".join(
+            f"rank {r}: {d}" for r, d in zip(group_ranks(group), described, strict=True)
+        )
+        raise ValueError(
+            "all_reduce: ranks recorded different statistics or merge different batches "
+            f"({by_rank}); every rank must record with the same options and merge the same "
+            "batches (close the same number of columns, give the same batches=)"
+        )
+    if not names_differ:
+        return None
+    every = gathered(list(zip(rows.names, rows.types, strict=True)), group)
+    holders: dict[str, list[int]] = {}
+    for rank, named in zip(group_ranks(group), every, strict=True):
+        for name, kind in named:
+            if name not in holders and name not in rows.names:
+                rows.names.append(name)
+                rows.types.append(kind)
+            holders.setdefault(name, []).append(rank)
+    store.add_rows(len(rows.names))
+    return holders
+
+
+def _class_index(merged: Merged, ids: list[int]) -> list[int]:
+    """For each column, the index of its set of holders among those met so far."""
+    seen: dict[frozenset[int] | None, int] = {}
+    return [seen.setdefault(merged.holders.get(b), len(seen)) for b in ids]
+
+
+def _plain_replicas(store: ColumnStore, rows: Rows, columns: torch.Tensor) -> torch.Tensor | None:
+    """bool `(rows, columns)`: the plain rows' slots whose merge state is the same on every
+    rank of `rows.replica_mesh` (two reductions the size of the state), or None without one."""
+    import torch.distributed as dist
+
+    if rows.replica_mesh is None or rows.replica_mesh.ndim != 1:
+        return None
+    state = next(b for b in store.buffers.values()).state.index_select(2, columns)
+    state = state.nan_to_num(nan=float("inf"))
+    low, high = state.clone(), state.clone()
+    group = rows.replica_mesh.get_group()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    same = (low == high).all(0)
+    plain = torch.tensor([row not in rows.pieces for row in range(len(rows.names))])
+    return (same & plain.to(same.device)[:, None]).cpu()
+
+
+def _contributions(
+    rows: Rows,
+    merged: Merged,
+    ids: list[int],
+    ranks: list[int],
+    holders: dict[str, list[int]] | None,
+    me: int,
+    replicas: torch.Tensor | None,
+) -> torch.Tensor:
+    """bool `(rows, columns)`: whether this rank's value of each slot is added to the merge:
+    of the ranks holding the same values (the same columns merged before, the same piece of a
+    DTensor, a plain parameter's replica, a plain output the same on every rank of the
+    tensor-parallel mesh), only the lowest."""
+    whole = (
+        Piece(rows.replica_mesh, (0,), outside_replicated=False) if replicas is not None else None
+    )
+    by_class: dict[frozenset[int] | None, tuple[torch.Tensor, torch.Tensor]] = {}
+    for b in ids:
+        together = merged.holders.get(b)
+        if together not in by_class:
+            by_class[together] = (
+                _lowest(rows, together, ranks, holders, me, None),
+                _lowest(rows, together, ranks, holders, me, whole),
+            )
+    if not ids:
+        return torch.zeros(len(rows.names), 0, dtype=torch.bool)
+    own = torch.stack([by_class[merged.holders.get(b)][0] for b in ids], 1)
+    if replicas is None:
+        return own
+    replica = torch.stack([by_class[merged.holders.get(b)][1] for b in ids], 1)
+    added = own.shape[0] - replicas.shape[0]  # rows of other ranks' names: empty here
+    replicas = torch.cat([replicas, replicas.new_zeros(added, replicas.shape[1])])
+    return torch.where(replicas, replica, own)
+
+
+def _lowest(
+    rows: Rows,
+    together: frozenset[int] | None,
+    ranks: list[int],
+    holders: dict[str, list[int]] | None,
+    me: int,
+    plain_piece: Piece | None,
+) -> torch.Tensor:
+    """bool `(rows,)`: whether this rank is the lowest of those holding each row's values, a
+    plain row's being `plain_piece` when given."""
+    mask = torch.zeros(len(rows.names), dtype=torch.bool)
+    for row, name in enumerate(rows.names):
+        piece = rows.pieces.get(row, plain_piece)
+        replicated = rows.plain_replicated and piece is None
+        same = [
+            r
+            for r in (ranks if holders is None else holders[name])
+            if r == me
+            or (together is not None and r in together)
+            or (piece is not None and piece.same(me, r))
+            or replicated
+        ]
+        mask[row] = bool(same) and min(same) == me
+    return mask
+
+
+def _winners(
+    rows: Rows, merged: Merged, ids: list[int], me: int, device: torch.device
+) -> torch.Tensor:
+    """int64 `(rows, columns)`: the rank of each slot's first non-finite call so far."""
+    winners = torch.full((len(rows.names), len(ids)), me, dtype=torch.int64)
+    for column, b in enumerate(ids):
+        for row, name in enumerate(rows.names):
+            rank = merged.nonfinite_ranks.get((b, name))
+            if rank is not None:
+                winners[row, column] = rank
+    return winners.to(device)
+
+
+def _grown(winners: torch.Tensor, rows: int, me: int) -> torch.Tensor:
+    """`winners` with a row of this rank for each row added since."""
+    more = rows - winners.shape[0]
+    return (
+        winners
+        if more == 0
+        else torch.cat([winners, winners.new_full((more, winners.shape[1]), me)])
+    )
+
+
+def _canonical_sum(
+    t: torch.Tensor, axis: int, index: torch.Tensor, group: Any, op: Any = None
+) -> torch.Tensor:
+    """`t` reduced over `group` with its rows (along `axis`) in the order of their names."""
+    import torch.distributed as dist
+
+    canonical = t.index_select(axis, index).contiguous()
+    dist.all_reduce(canonical, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return torch.empty_like(t).index_copy_(axis, index, canonical)
+
+
+def _reduce_columns(
+    b: StatBuffers,
+    columns: torch.Tensor,
+    index: torch.Tensor,
+    contributes: torch.Tensor,
+    winners: torch.Tensor,
+    group: Any,
+    world: int,
+) -> torch.Tensor:
+    """Merge the columns `columns` of every buffer of `b` over `group`; returns the ranks of the
+    first non-finite calls after it (`winners` when `b` keeps no call order)."""
+    import torch.distributed as dist
+
+    state = torch.where(contributes, b.state.index_select(2, columns), 0.0)
+    canonical = reduce_state(state.index_select(1, index).contiguous(), group)
+    state = torch.empty_like(canonical).index_copy_(1, index, canonical)
+    b.state.index_copy_(2, columns, state)
+    stats, extra = finalise(state)
+    b.stats.index_copy_(2, columns, stats)
+    if extra is not None:
+        b.extra.index_copy_(2, columns, extra)
+    if b.hist_bins:
+        hist = torch.where(contributes[..., None], b.hist.index_select(1, columns), 0)
+        b.hist.index_copy_(1, columns, _canonical_sum(hist, 0, index, group))
+    if not b.ordered:
+        return winners
+    first, count = b.order.index_select(2, columns)
+    found = contributes & (first > 0)
+    key = torch.where(found, (first - 1) * world + winners, _NONE)
+    key = _canonical_sum(key, 0, index, group, dist.ReduceOp.MIN)
+    counted = count >= 0
+    count = _canonical_sum(torch.where(contributes & counted, count, 0), 0, index, group)
+    first = torch.where(key == _NONE, 0, key // world + 1)
+    b.order.index_copy_(2, columns, torch.stack([first, torch.where(counted, count, -1)]))
+    return torch.where(key == _NONE, winners, key % world)
+
+
+def _note_holders(
+    merged: Merged, ids: list[int], me: int, device: torch.device, group: Any
+) -> None:
+    """After a merge over `group`: each column holds the values of every rank its holders did."""
+    unions: dict[frozenset[int] | None, frozenset[int]] = {}
+    for b in ids:
+        together = merged.holders.get(b)
+        if together not in unions:
+            unions[together] = union_of_ranks(together or {me}, device, group)
+        merged.holders[b] = unions[together]
+
+
+def _note_nonfinite_ranks(
+    store: ColumnStore, rows: Rows, merged: Merged, ids: list[int], winners: torch.Tensor
+) -> None:
+    """Keep the rank of each merged slot's first non-finite call (the only slots it names)."""
+    held = set(store.batches.tolist())
+    ranks = {k: r for k, r in merged.nonfinite_ranks.items() if k[0] in held}
+    ordered = [b for b in store.buffers.values() if b.ordered]
+    if ordered and ids:
+        first = store.read(next(k for k, b in store.buffers.items() if b.ordered), "order")[0]
+        position = {b: i for i, b in enumerate(store.batches.tolist())}
+        found = first[:, [position[b] for b in ids]] > 0
+        winners = winners.cpu()
+        for row, column in torch.nonzero(found).tolist():
+            ranks[(ids[column], rows.names[row])] = int(winners[row, column])
+    merged.nonfinite_ranks = ranks
