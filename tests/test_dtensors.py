@@ -95,12 +95,13 @@ def _data_parallel(rank: int, backend: str) -> dict:
     return {**_readings(act, ps), "merged": _merged(act, ps)}
 
 
-def _tensor_parallel(rank: int, backend: str) -> dict:
+def _tensor_parallel(rank: int, backend: str, local: bool = False) -> dict:
+    """Tensor parallelism handing on DTensors, or (`local`, the styles' default) local tensors."""
     model = _model()
     mesh = init_device_mesh("cpu", (2,))
     plan = {
-        "0": ColwiseParallel(use_local_output=False),
-        "2": RowwiseParallel(use_local_output=False),
+        "0": ColwiseParallel(use_local_output=local),
+        "2": RowwiseParallel(use_local_output=local),
     }
     parallelize_module(model, mesh, plan)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -109,6 +110,27 @@ def _tensor_parallel(rank: int, backend: str) -> dict:
     _train(model, _batches(), act, ps, optimizer)  # every rank sees the whole batch
     # Layer 0's sharded output merges, layer 2's replicated one counts once; so do parameters.
     return {**_readings(act, ps), "merged": _merged(act, ps)}
+
+
+def _windowed(rank: int, backend: str) -> dict:
+    """Data parallelism keeping the newest 2 batches: the newest merged at each step, as a logger
+    would, then everything held (each column's values counted once still)."""
+    model = _model()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    act = ActivationStats(model, backend=backend, window=2, **OPTIONS)
+    half = ROWS // 2
+    newest = []
+    with act:
+        for x in _batches():
+            ddp(x[rank * half : (rank + 1) * half]).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            act.on_batch_end()
+            act.all_reduce(batches=act.batches[-1:])
+            newest.append(act.stats[:, :, -1].clone())
+    act.all_reduce()
+    return {"newest": torch.stack(newest, -1), "stats": act.stats.clone(), "hist": act.hist.clone()}
 
 
 class EmitPartial(nn.Module):
@@ -149,6 +171,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             "fsdp": _fully_sharded(rank, backend),
             "ddp": _data_parallel(rank, backend),
             "tp": _tensor_parallel(rank, backend),
+            "tp_local": _tensor_parallel(rank, backend, local=True),
+            "window": _windowed(rank, backend),
             "partial": _partial(rank, backend),
         }
         for backend in BACKEND_NAMES
@@ -262,3 +286,28 @@ def test_data_parallel_activations_merge_into_the_whole_batch(ranks, backend):
         merged = rank[backend]["ddp"]["merged"]
         _same(merged["stats"], whole["act"]["stats"])
         assert torch.equal(merged["hist"], whole["act"]["hist"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensor_parallel_local_outputs_count_replicas_once(ranks, backend):
+    whole = _whole(backend)
+    for rank in ranks:
+        tp = rank[backend]["tp_local"]
+        assert tp["act_placements"] == {
+            "0": "local output, a shard on (2,)",
+            "2": "local output, Replicate on (2,)",
+        }
+        torch.testing.assert_close(
+            tp["merged"]["stats"], whole["act"]["stats"], rtol=1e-5, atol=1e-6
+        )
+        assert torch.equal(tp["merged"]["hist"], whole["act"]["hist"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_window_merges_its_newest_column_at_each_step_and_then_all_it_holds(ranks, backend):
+    whole = _whole(backend)["act"]
+    for rank in ranks:
+        merged = rank[backend]["window"]
+        _same(merged["newest"], whole["stats"])
+        _same(merged["stats"], whole["stats"][:, :, -2:])
+        assert torch.equal(merged["hist"], whole["hist"][:, -2:])
