@@ -4,6 +4,7 @@ once, with memory and traffic per rank the size of the merged columns whatever t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,31 +71,29 @@ def all_reduce(
     ids, columns = _chosen_columns(store, batches)
     me, world = dist.get_rank(), dist.get_world_size()
     device = next(iter(store.buffers.values())).state.device
-    columns = columns.to(device)
     merged.holders = {b: merged.holders[b] for b in store.batches.tolist() if b in merged.holders}
     winners = _winners(rows, merged, ids, me, device)
     for step, g in enumerate(groups):
-        holders = _agree(store, rows, merged, ids, g, device)
+        holders, shared_order = _agree(store, rows, merged, ids, g, device)
+        chosen = Selection(columns, shared_order, device)
         if step == 0:  # before any merge, once every rank is known to agree
-            replicas = _plain_replicas(store, rows, columns)
+            replicas = _plain_replicas(store, rows, chosen)
         contributes = _contributions(rows, merged, ids, group_ranks(g), holders, me, replicas)
         contributes = contributes.to(device)
-        canonical = sorted(range(len(rows.names)), key=rows.names.__getitem__)
-        index = torch.tensor(canonical, device=device)
         winners = _grown(winners, len(rows.names), me)
         for b in store.buffers.values():
-            winners = _reduce_columns(b, columns, index, contributes, winners, g, world)
+            winners = _reduce_columns(b, chosen, contributes, winners, g, world)
         _note_holders(merged, ids, me, device, g)
     store.reset_host()
     _note_nonfinite_ranks(store, rows, merged, ids, winners)
 
 
-def _chosen_columns(store: ColumnStore, batches: Any) -> tuple[list[int], torch.Tensor]:
+def _chosen_columns(store: ColumnStore, batches: Any) -> tuple[list[int], list[int]]:
     """The batch indices to merge and the columns holding them."""
     held = store.batches.tolist()
     physical = store.window.columns(store.num_batches)
     if batches is None:
-        return held, torch.tensor(physical, dtype=torch.int64)
+        return held, physical
     if isinstance(batches, torch.Tensor):
         batches = batches.tolist()
     elif isinstance(batches, int):
@@ -112,7 +111,7 @@ def _chosen_columns(store: ColumnStore, batches: Any) -> tuple[list[int], torch.
         chosen.append(b)
     if len(set(chosen)) != len(chosen):
         raise ValueError("batches: give each batch once")
-    return chosen, torch.tensor([physical[position[b]] for b in chosen], dtype=torch.int64)
+    return chosen, [physical[position[b]] for b in chosen]
 
 
 def _describe(store: ColumnStore, rows: Rows, ids: list[int]) -> dict[str, Any]:
@@ -129,15 +128,16 @@ def _agree(
     ids: list[int],
     group: Any,
     device: torch.device,
-) -> dict[str, list[int]] | None:
+) -> tuple[dict[str, list[int]] | None, list[int]]:
     """Check that every rank of `group` merges the same columns with the same options (a clear
     error on every rank, never a hang); when their names differ, add a row for each name only
-    others recorded and return which ranks hold each name (None: every rank holds every name).
+    others recorded. Returns which ranks hold each name (None: every rank holds every name, in
+    the same order) and the order of this rank's rows that every rank shares.
 
     One reduction of two digests; only when the names differ, one gather of the names."""
     pattern = [_class_index(merged, ids)]
     settings = digest([digest(_describe(store, rows, ids)), digest(torch.tensor(ids)), pattern])
-    settings_differ, names_differ = differ([settings, digest(sorted(rows.names))], device, group)
+    settings_differ, names_differ = differ([settings, digest(rows.names)], device, group)
     if settings_differ:
         described = gathered(_describe(store, rows, ids), group)
         by_rank = "; ".join(
@@ -149,7 +149,7 @@ def _agree(
             "batches (close the same number of columns, give the same batches=)"
         )
     if not names_differ:
-        return None
+        return None, list(range(len(rows.names)))
     every = gathered(list(zip(rows.names, rows.types, strict=True)), group)
     holders: dict[str, list[int]] = {}
     for rank, named in zip(group_ranks(group), every, strict=True):
@@ -159,7 +159,8 @@ def _agree(
                 rows.types.append(kind)
             holders.setdefault(name, []).append(rank)
     store.add_rows(len(rows.names))
-    return holders
+    row = {name: i for i, name in enumerate(rows.names)}
+    return holders, [row[name] for name in holders]  # in order of first holder, on every rank
 
 
 def _class_index(merged: Merged, ids: list[int]) -> list[int]:
@@ -175,7 +176,7 @@ def _plain_replicas(store: ColumnStore, rows: Rows, columns: torch.Tensor) -> to
 
     if rows.replica_mesh is None or rows.replica_mesh.ndim != 1:
         return None
-    state = next(b for b in store.buffers.values()).state.index_select(2, columns)
+    state = columns.take(next(b for b in store.buffers.values()).state, 2)
     state = state.nan_to_num(nan=float("inf"))
     low, high = state.clone(), state.clone()
     group = rows.replica_mesh.get_group()
@@ -270,51 +271,84 @@ def _grown(winners: torch.Tensor, rows: int, me: int) -> torch.Tensor:
     )
 
 
-def _canonical_sum(
-    t: torch.Tensor, axis: int, index: torch.Tensor, group: Any, op: Any = None
-) -> torch.Tensor:
-    """`t` reduced over `group` with its rows (along `axis`) in the order of their names."""
+class Selection:
+    """The merged columns of a buffer (a view when they are contiguous), and its rows in the
+    order of their names, which every rank shares (none to reorder when they already are)."""
+
+    def __init__(self, columns: list[int], canonical: list[int], device: torch.device) -> None:
+        first = columns[0] if columns else 0
+        contiguous = columns == list(range(first, first + len(columns)))
+        self.start, self.length = first, len(columns)
+        self.columns = None if contiguous else torch.tensor(columns, device=device)
+        ordered = canonical == list(range(len(canonical)))
+        self.rows = None if ordered else torch.tensor(canonical, device=device)
+
+    def take(self, t: torch.Tensor, axis: int) -> torch.Tensor:
+        """The chosen columns (along `axis`) of `t`, rows in this rank's order."""
+        if self.columns is None:
+            return t.narrow(axis, self.start, self.length)
+        return t.index_select(axis, self.columns)
+
+    def put(self, t: torch.Tensor, axis: int, values: torch.Tensor) -> None:
+        """Write `values` into the chosen columns of `t`."""
+        if self.columns is None:
+            t.narrow(axis, self.start, self.length).copy_(values)
+        else:
+            t.index_copy_(axis, self.columns, values)
+
+    def reduced(
+        self, t: torch.Tensor, axis: int, reduce: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """`reduce` applied to `t` with its rows (along `axis`) in the order of their names."""
+        if self.rows is None:
+            return reduce(t.contiguous())
+        out = reduce(t.index_select(axis, self.rows).contiguous())
+        return torch.empty_like(out).index_copy_(axis, self.rows, out)
+
+
+def _all_reduce(group: Any, op: Any = None) -> Callable[[torch.Tensor], torch.Tensor]:
     import torch.distributed as dist
 
-    canonical = t.index_select(axis, index).contiguous()
-    dist.all_reduce(canonical, op=dist.ReduceOp.SUM if op is None else op, group=group)
-    return torch.empty_like(t).index_copy_(axis, index, canonical)
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group)
+        return t
+
+    return reduce
 
 
 def _reduce_columns(
     b: StatBuffers,
-    columns: torch.Tensor,
-    index: torch.Tensor,
+    chosen: Selection,
     contributes: torch.Tensor,
     winners: torch.Tensor,
     group: Any,
     world: int,
 ) -> torch.Tensor:
-    """Merge the columns `columns` of every buffer of `b` over `group`; returns the ranks of the
+    """Merge the chosen columns of every buffer of `b` over `group`; returns the ranks of the
     first non-finite calls after it (`winners` when `b` keeps no call order)."""
     import torch.distributed as dist
 
-    state = torch.where(contributes, b.state.index_select(2, columns), 0.0)
-    canonical = reduce_state(state.index_select(1, index).contiguous(), group)
-    state = torch.empty_like(canonical).index_copy_(1, index, canonical)
-    b.state.index_copy_(2, columns, state)
+    state = torch.where(contributes, chosen.take(b.state, 2), 0.0)
+    state = chosen.reduced(state, 1, lambda t: reduce_state(t, group))
+    chosen.put(b.state, 2, state)
     stats, extra = finalise(state)
-    b.stats.index_copy_(2, columns, stats)
+    chosen.put(b.stats, 2, stats)
     if extra is not None:
-        b.extra.index_copy_(2, columns, extra)
+        chosen.put(b.extra, 2, extra)
     if b.hist_bins:
-        hist = torch.where(contributes[..., None], b.hist.index_select(1, columns), 0)
-        b.hist.index_copy_(1, columns, _canonical_sum(hist, 0, index, group))
+        hist = torch.where(contributes[..., None], chosen.take(b.hist, 1), 0)
+        chosen.put(b.hist, 1, chosen.reduced(hist, 0, _all_reduce(group)))
     if not b.ordered:
         return winners
-    first, count = b.order.index_select(2, columns)
+    first, count = chosen.take(b.order, 2)
     found = contributes & (first > 0)
     key = torch.where(found, (first - 1) * world + winners, _NONE)
-    key = _canonical_sum(key, 0, index, group, dist.ReduceOp.MIN)
+    key = chosen.reduced(key, 0, _all_reduce(group, dist.ReduceOp.MIN))
     counted = count >= 0
-    count = _canonical_sum(torch.where(contributes & counted, count, 0), 0, index, group)
+    count = torch.where(contributes & counted, count, 0)
+    count = chosen.reduced(count, 0, _all_reduce(group))
     first = torch.where(key == _NONE, 0, key // world + 1)
-    b.order.index_copy_(2, columns, torch.stack([first, torch.where(counted, count, -1)]))
+    chosen.put(b.order, 2, torch.stack([first, torch.where(counted, count, -1)]))
     return torch.where(key == _NONE, winners, key % world)
 
 

@@ -21,6 +21,10 @@ NEEDS = {
     "Lightning": "lightning",
     "Hugging Face": "transformers",
     "fastai": "fastai",
+    "DDP": None,
+    "FSDP2": None,
+    "tensor parallelism": None,
+    "pipeline stages": None,
 }
 
 
