@@ -28,7 +28,8 @@ export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 
 .PHONY: help setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa \
 	test-cuda-build test-wheel test-sdist wheel sdist docs lint bench bench-train bench-quick \
-	bench-cpu bench-params bench-nonfinite bench-window bench-allreduce bench-abi clean
+	bench-cpu bench-params bench-monitors bench-nonfinite bench-window bench-allreduce bench-abi \
+	clean
 
 ## help: this list of targets
 help:
@@ -118,19 +119,21 @@ test-cuda-build: $(CUDA_VENV)/.ready
 		CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} $(CUDA_VENV)/bin/pytest -p no:cacheprovider -n 2 \
 		-m "not cuda_on_cpu and not slow" --ignore=tests/test_model_zoo.py
 
-# One abi3 wheel built against the CPU torch, which serves every torch >= 2.10, tagged for the
-# manylinux policy its symbols allow (auditwheel; torch's own libraries are torch's to provide).
+# One abi3 wheel built against the CPU torch, which serves every torch >= 2.10, tagged for
+# manylinux_2_28 as torch's own wheels are, and any older policy its symbols allow (auditwheel
+# refuses the tag if a symbol needs a newer glibc; torch's own libraries are torch's to provide).
 ## wheel: the abi3 manylinux wheel in dist/
 wheel: $(VENV)/.ready
 	rm -rf dist build/wheel build/lib.* build/bdist.*
 	$(VENV)/bin/pip wheel $(PIP_QUIET) --no-build-isolation --no-deps -w build/wheel . 2>&1 | \
 		$(PIP_FILTER)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel -v repair -w dist \
+		--plat manylinux_2_28_x86_64 \
 		--exclude 'libc10*.so' --exclude 'libtorch*.so' build/wheel/fasthooks-*.whl 2>&1 | \
 		grep -E "New WHEEL info tags|written to"
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel show dist/fasthooks-*.whl 2>&1 | \
 		grep -A1 "constrains the platform tag"
-	ls dist/fasthooks-*-cp310-abi3-manylinux_*_x86_64.whl
+	ls dist/fasthooks-*-cp310-abi3-*manylinux_2_28_x86_64.whl
 
 ## sdist: the source distribution in dist/
 sdist: $(VENV)/.ready
@@ -192,6 +195,10 @@ bench-cpu: build
 ## bench-params: what ParameterStats costs a training step
 bench-params: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/parameter_overhead.py --out results/parameter_overhead
+
+## bench-monitors: ParameterStats beside wandb, Composer, Lightning on a GPT-2-small model
+bench-monitors: build
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/parameter_monitors.py --out results/parameter_monitors
 
 ## bench-allreduce: all_reduce over 2, 4 and 8 gloo processes
 bench-allreduce: build

@@ -109,12 +109,14 @@ def extension_build():
     target = f"-DTORCH_TARGET_VERSION={STABLE_ABI_TARGET:#x}"
     # C++20 for constinit kernel tables; torch before 2.13 would otherwise add -std=c++17.
     cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", target]
+    # Found before the system's headers: see the header for why (manylinux_2_28).
+    compat = [str(ROOT / "csrc" / "compat")]
     if _cuda_decision(torch.version.cuda, cpp_extension.CUDA_HOME):
         sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cu"))
         extension = cpp_extension.CUDAExtension(
             "fasthooks._C",
             sources,
-            include_dirs=_pip_cuda_include_dirs(),
+            include_dirs=compat + _pip_cuda_include_dirs(),
             # USE_CUDA declares the C shim's CUDA functions (the current stream among them).
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20", target, "-DUSE_CUDA"]},
             py_limited_api=True,
@@ -125,7 +127,11 @@ def extension_build():
             f"for torch >= {MIN_TORCH_TEXT}"
         )
         extension = cpp_extension.CppExtension(
-            "fasthooks._C", sources, extra_compile_args={"cxx": cxx}, py_limited_api=True
+            "fasthooks._C",
+            sources,
+            include_dirs=compat,
+            extra_compile_args={"cxx": cxx},
+            py_limited_api=True,
         )
     return [extension], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
 
