@@ -41,7 +41,7 @@ arch=$("$python" -c "import torch; print('%d%d' % torch.cuda.get_device_capabili
 stage resources 120 "$out/setup.log" "$python" benchmarks/cuda_resources.py --archs "${arch:-90}"
 
 stage tests 300 "$out/tests.log" env FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_CUDA_KERNEL=1 \
-  "$python" -m pytest -q -p no:cacheprovider -m cuda -rfE tests
+  "$python" -m pytest -q -p no:cacheprovider -n 4 -m cuda -rfE tests
 
 for dtype in float32 bfloat16; do
   stage "op_throughput $dtype" 150 "$out/bench.log" "$python" benchmarks/op_throughput.py \

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import BACKENDS
+from conftest import BACKENDS, CUDA
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -209,3 +209,33 @@ def test_flat_parameters_need_modules_named_and_say_so(ranks):
     for rank in ranks:
         assert any("nothing to hook" in w for w in rank["fsdp1"]["warnings"])
         _assert_same(rank["fsdp1"], expected)
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nccl_merges_buffers_on_the_gpu(backend, tmp_path):
+    """One NCCL rank: every collective of a merge runs on CUDA tensors (int64 minima, the names'
+    digests), and merging one rank's columns, or its newest alone, leaves them as they were."""
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        model = _model().cuda()
+        act = ActivationStats(model, backend=backend, extra=["nonfinite"], hist_bins=8)
+        with act:
+            for x in _batches():
+                x = x.cuda()
+                x[0, 0] = float("nan")
+                model(x)
+                act.on_batch_end()
+        before = _recorded(act)
+        act.all_reduce(batches=act.batches[-1:])
+        act.all_reduce()
+        after = _recorded(act)
+        for name, value in before.items():
+            assert torch.equal(after[name].nan_to_num(), value.nan_to_num()), name
+        assert act.first_nonfinite().rank == 0
+    finally:
+        dist.destroy_process_group()
