@@ -18,13 +18,11 @@ namespace fasthooks {
 namespace {
 
 std::string shape_string(std::initializer_list<int64_t> shape) {
-  std::ostringstream out;
-  out << "[";
+  std::string out = "[";
   for (const int64_t* s = shape.begin(); s != shape.end(); ++s) {
-    out << (s == shape.begin() ? "" : ", ") << *s;
+    out += text(s == shape.begin() ? "" : ", ", *s);
   }
-  out << "]";
-  return out.str();
+  return out + "]";
 }
 
 void check_buffer(const Tensor& t, const char* name, ScalarType dtype,
@@ -66,11 +64,9 @@ Place place_of(const Tensor& t) {
 }
 
 std::string shape_of(const Tensor& t) {
-  std::ostringstream out;
-  out << "[";
-  for (int64_t d = 0; d < t.dim(); ++d) out << (d ? ", " : "") << t.size(d);
-  out << "]";
-  return out.str();
+  std::string out = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) out += text(d ? ", " : "", t.size(d));
+  return out + "]";
 }
 
 std::string device_of(const Tensor& t) {

@@ -4,9 +4,10 @@
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace fasthooks {
@@ -14,12 +15,33 @@ namespace fasthooks {
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
+// Messages are built with std::string, not std::ostringstream: under C++20 its str() is a
+// libstdc++ 11 symbol, which older distributions' libstdc++ (manylinux_2_28's) lacks.
+inline void append(std::string& out, const std::string& v) { out += v; }
+inline void append(std::string& out, const char* v) { out += v; }
+inline void append(std::string& out, char v) { out += v; }
+inline void append(std::string& out, ScalarType v) { out += torch::headeronly::toString(v); }
+inline void append(std::string& out, double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", v);
+  out += text;
+}
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+void append(std::string& out, T v) {
+  out += std::to_string(v);
+}
+
+template <typename... Args>
+std::string text(const Args&... args) {
+  std::string out;
+  (append(out, args), ...);
+  return out;
+}
+
 // The message alone (torch's own check macro prefixes the C++ function, file and line).
 template <typename... Args>
 [[noreturn]] void fail(const Args&... args) {
-  std::ostringstream message;
-  (message << ... << args);
-  throw std::runtime_error(message.str());
+  throw std::runtime_error(text(args...));
 }
 
 #define FASTHOOKS_CHECK(cond, ...)               \
