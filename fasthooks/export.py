@@ -83,6 +83,25 @@ def newest_metrics(reading: Reading) -> dict[str, float]:
     }
 
 
+def newest_parameter_metrics(ps: ParameterStats) -> dict[str, float]:
+    """The newest recorded step of a `ParameterStats` as a few scalars: each parameter's L2 norm
+    per kind, tagged `parameters/<kind>/<param>/norm`, the L2 norm over all its parameters per
+    kind, `parameters/<kind>/global_norm`, and, with "update" recorded, each parameter's
+    update ratio, `parameters/update_ratio/<param>`; empty before the first step."""
+    if ps.num_steps == 0:
+        return {}
+    extra, names = ps.extra, ps.param_names
+    metrics = {}
+    for kind in ps.kinds:
+        norms = extra[kind]["norm"][:, -1].double().tolist()
+        metrics.update(zip([f"parameters/{kind}/{n}/norm" for n in names], norms, strict=True))
+        metrics[f"parameters/{kind}/global_norm"] = float(ps.global_norm(kind)[-1])
+    if "update" in ps.kinds:
+        ratios = ps.update_ratio[:, -1].double().tolist()
+        metrics.update(zip([f"parameters/update_ratio/{n}" for n in names], ratios, strict=True))
+    return metrics
+
+
 def log_to_tensorboard(reading: Reading, writer: Any, step: int | None = None) -> None:
     """Writes the newest recorded column of every statistic to a `SummaryWriter`, as scalars
     tagged as `newest_metrics` tags them, and the histograms where recorded; `step` defaults to

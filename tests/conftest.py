@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -108,6 +109,33 @@ def assert_same_recording(got, want) -> None:
         torch.testing.assert_close(got.extra[name], values, rtol=1e-5, atol=1e-7, msg=name)
     if want.hist_bins:
         assert torch.equal(got.hist, want.hist)
+
+
+def record_parameter_steps(model, optimizer, steps, backward, **options):
+    """The reference for a parameter callback: `ParameterStats(model, optimizer, **options)` over
+    a plain loop, one optimizer step per item of `steps` after `backward(model, item)`."""
+    with fasthooks.ParameterStats(model, optimizer, **options) as ps:
+        for step in steps:
+            backward(model, step)
+            optimizer.step()
+            optimizer.zero_grad()
+    return ps
+
+
+def assert_same_parameter_recording(got, want) -> None:
+    """Two ParameterStats recorded the same parameters and statistics (within float32
+    rounding; the std of a one-element parameter is NaN in both)."""
+    assert got.param_names == want.param_names and got.kinds == want.kinds
+    assert got.steps.tolist() == want.steps.tolist()
+    close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-7, equal_nan=True)
+    for kind in want.kinds:
+        close(got.stats[kind], want.stats[kind])
+        for name, values in want.extra[kind].items():
+            close(got.extra[kind][name], values)
+        if want.hist_bins:
+            assert torch.equal(got.hist[kind], want.hist[kind])
+    if "update" in want.kinds:
+        torch.testing.assert_close(got.update_ratio, want.update_ratio, rtol=1e-5, atol=1e-9)
 
 
 def assert_buffers_close(got, want, rtol: float = 1e-6, atol: float = 1e-9) -> None:

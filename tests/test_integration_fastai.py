@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-from conftest import assert_same_recording, framework, record_steps
+from conftest import (
+    assert_same_parameter_recording,
+    assert_same_recording,
+    framework,
+    record_parameter_steps,
+    record_steps,
+)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 framework("fastai")
 from fastai.callback.core import Callback, CancelStepException  # noqa: E402
-from fastai.callback.training import GradientAccumulation  # noqa: E402
+from fastai.callback.training import GradientAccumulation, GradientClip  # noqa: E402
 from fastai.data.core import DataLoaders  # noqa: E402
 from fastai.learner import Learner  # noqa: E402
+from fastai.optimizer import SGD, OptimWrapper  # noqa: E402
 
 from fasthooks import NonFinite, NonFiniteError  # noqa: E402
-from fasthooks.integrations.fastai import ActivationStatsCallback  # noqa: E402
+from fasthooks.integrations.fastai import (  # noqa: E402
+    ActivationStatsCallback,
+    ParameterStatsCallback,
+)
 
 ROWS, BATCH = 64, 8  # 8 batches an epoch
 
@@ -27,13 +39,16 @@ def _data() -> TensorDataset:
     )
 
 
-def _learner(lr: float = 0.0, cbs=()) -> Learner:
+def _model() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def _learner(lr: float = 0.0, cbs=(), **options) -> Learner:
     loaders = DataLoaders(
         DataLoader(_data(), batch_size=BATCH), DataLoader(_data(), batch_size=BATCH)
     )
-    learn = Learner(loaders, model, loss_func=nn.MSELoss(), lr=lr, cbs=list(cbs))
+    learn = Learner(loaders, _model(), loss_func=nn.MSELoss(), lr=lr, cbs=list(cbs), **options)
     learn.recorder.silent = True
     return learn
 
@@ -151,3 +166,115 @@ def test_a_window_sinks_every_step_under_the_learners_path(tmp_path):
     loaded = load(tmp_path / "fasthooks" / "activations")
     assert loaded.batches.tolist() == list(range(act.num_batches))
     assert torch.equal(loaded.stats[:, :, -3:], act.stats)
+
+
+# ParameterStatsCallback ------------------------------------------------------------------------
+
+PARAMETERS = ["0.weight", "0.bias", "2.weight", "2.bias"]
+PARAMETER_OPTIONS = {"extra": ("max",), "hist_bins": 4, "hist_range": (-1.0, 1.0)}
+TORCH_SGD = functools.partial(OptimWrapper, opt=torch.optim.SGD)
+
+
+def _by_hand(rows_per_step: int, epochs: int = 2, **options):
+    """ParameterStats over a plain loop doing what the learner does with SGD at lr=0.1: the
+    loss of each BATCH rows scaled by its share of the step's rows."""
+    model = _model()
+    x, y = _data().tensors
+
+    def backward(model, rows):
+        for xb, yb in zip(rows[0].split(BATCH), rows[1].split(BATCH), strict=True):
+            (nn.functional.mse_loss(model(xb), yb) * len(xb) / rows_per_step).backward()
+
+    steps = list(zip(x.split(rows_per_step), y.split(rows_per_step), strict=True)) * epochs
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return record_parameter_steps(model, optimizer, steps, backward, **options)
+
+
+@pytest.mark.parametrize(
+    ("opt_func", "accumulate"),
+    [(SGD, False), (TORCH_SGD, False), (SGD, True)],
+    ids=["fastai SGD", "torch SGD", "fastai SGD accumulated"],
+)
+def test_parameter_stats_record_each_step_fastai_takes_as_by_hand(opt_func, accumulate):
+    callback = ParameterStatsCallback(**PARAMETER_OPTIONS)
+    learn = _learner(lr=0.1, cbs=[callback], opt_func=opt_func)
+    _fit(learn, cbs=[GradientAccumulation(2 * BATCH)] if accumulate else [])
+    ps = callback.parameter_stats
+    rows_per_step = 2 * BATCH if accumulate else BATCH
+    assert ps.num_steps == 2 * ROWS // rows_per_step
+    assert ps.expected_steps == 2 * ROWS // BATCH
+    assert_same_parameter_recording(ps, _by_hand(rows_per_step, **PARAMETER_OPTIONS))
+    assert learn.fasthooks_parameters is callback
+    assert "step" not in vars(learn.opt)  # fastai's own step is back
+    learn.opt.step()  # the hooks are gone: no column
+    assert ps.num_steps == 2 * ROWS // rows_per_step
+
+
+def test_parameter_stats_see_the_gradients_clipped_before_fastais_default_adam():
+    callback = ParameterStatsCallback()
+    learn = _learner(lr=0.1, cbs=[callback])
+    _fit(learn, cbs=[GradientClip(max_norm=0.05)])
+    ps = callback.parameter_stats
+    assert ps.param_names == PARAMETERS and ps.num_steps == 16
+    # Every step's gradient norm exceeds 0.05 here (0.27 and more unclipped).
+    torch.testing.assert_close(ps.global_norm("grad"), torch.full((16,), 0.05))
+    final = torch.stack([p.detach().norm() for p in learn.model.parameters()])
+    torch.testing.assert_close(ps.extra["weight"]["norm"][:, -1], final)
+    assert ps.update_ratio.gt(0).all()
+
+
+def test_one_callback_records_an_optimizer_its_parameters_chosen():
+    first = ParameterStatsCallback(parameters=["0.weight", "2.weight"])
+    learn = _learner(lr=0.1, cbs=[first])
+    _fit(learn, epochs=1)
+    assert first.parameter_stats.param_names == ["0.weight", "2.weight"]
+    assert first.parameter_stats.num_steps == 8
+    second = ParameterStatsCallback()
+    with pytest.raises(RuntimeError, match="already recorded by another"), first, second:
+        _fit(learn, epochs=1, cbs=[second])
+    assert "step" not in vars(learn.opt)
+
+
+def test_parameter_metrics_go_to_fastais_tensorboard_writer(tmp_path):
+    framework("tensorboard")
+    from fastai.callback.tensorboard import TensorBoardCallback
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    callback = ParameterStatsCallback(log_every_n_steps=3)
+    board = TensorBoardCallback(str(tmp_path), trace_model=False, log_preds=False)
+    _fit(_learner(lr=0.1), epochs=1, cbs=[callback, board])
+    events = EventAccumulator(str(next(tmp_path.glob("events.out.tfevents.*"))))
+    events.Reload()
+    tags = [tag for tag in events.Tags()["scalars"] if tag.startswith("parameters/")]
+    assert len(tags) == 3 * 4 + 3 + 4  # norms per kind and parameter, global norms, ratios
+    norms = events.Scalars("parameters/grad/2.weight/norm")
+    assert [e.step for e in norms] == [2, 5]  # fastai's train_iter of steps 3 and 6
+    want = callback.parameter_stats.extra["grad"]["norm"][2, [2, 5]].tolist()
+    assert [e.value for e in norms] == pytest.approx(want)
+    ratios = events.Scalars("parameters/update_ratio/0.bias")
+    want = callback.parameter_stats.update_ratio[1, [2, 5]].tolist()
+    assert [e.value for e in ratios] == pytest.approx(want)
+
+
+def test_with_block_removes_the_parameter_hooks_when_training_raises():
+    class Fail(Callback):
+        def after_batch(self):
+            if self.train_iter == 3:
+                raise ValueError("injected failure")
+
+    callback = ParameterStatsCallback(of="grad")
+    learn = _learner(lr=0.1)
+    with pytest.raises(ValueError, match="injected failure"), callback:
+        _fit(learn, cbs=[callback, Fail()])
+    ps = callback.parameter_stats
+    assert ps.num_steps == 3  # train_iter counts batches already ended
+    assert "step" not in vars(learn.opt)
+    learn.opt.step()
+    assert ps.num_steps == 3
+
+
+def test_parameter_callback_arguments_are_checked_when_it_is_made():
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
+        ParameterStatsCallback(every=0)
+    with pytest.raises(ValueError, match="log_every_n_steps must be an int >= 0"):
+        ParameterStatsCallback(log_every_n_steps=-1)

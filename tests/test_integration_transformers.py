@@ -9,7 +9,10 @@ from conftest import framework
 from fasthooks import ActivationStats, NonFinite, NonFiniteError
 
 transformers = framework("transformers")
-from fasthooks.integrations.transformers import ActivationStatsCallback  # noqa: E402
+from fasthooks.integrations.transformers import (  # noqa: E402
+    ActivationStatsCallback,
+    ParameterStatsCallback,
+)
 
 ROWS, BATCH, SEQ, HIDDEN = 40, 4, 8, 16
 
@@ -219,3 +222,124 @@ def test_a_window_sinks_every_step_under_the_output_dir(tmp_path):
     loaded = load(tmp_path / "fasthooks" / "activations")
     assert loaded.batches.tolist() == list(range(steps))
     assert torch.equal(loaded.stats[:, :, -3:], act.stats)
+
+
+# ParameterStatsCallback ------------------------------------------------------------------------
+
+
+class Trace(transformers.TrainerCallback):
+    """Every optimizer step's gradients (after clipping), weights after it and updates, copied
+    around `optimizer.step()` by the Trainer's own events."""
+
+    def __init__(self) -> None:
+        self.grads, self.weights, self.updates = [], [], []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.before = [p.detach().clone() for p in model.parameters()]
+        self.grads.append([p.grad.detach().clone() for p in model.parameters()])
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        after = [p.detach().clone() for p in model.parameters()]
+        self.weights.append(after)
+        self.updates.append([a - b for a, b in zip(after, self.before, strict=True)])
+
+
+def _assert_traced(ps, trace: Trace) -> None:
+    """ps holds, per step and parameter, the mean, std and norm of what the trace copied."""
+    traced = {"grad": trace.grads, "weight": trace.weights, "update": trace.updates}
+    for kind, steps in traced.items():
+        values = [[t.double() for t in step] for step in steps]
+        mean = torch.tensor([[t.mean() for t in step] for step in values]).T
+        std = torch.tensor([[t.std() for t in step] for step in values]).T
+        norm = torch.tensor([[t.norm() for t in step] for step in values]).T
+        stats, got_norm = ps.stats[kind].double(), ps.extra[kind]["norm"].double()
+        torch.testing.assert_close(stats[0], mean, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(stats[1], std, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(got_norm, norm, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_parameter_stats_record_each_optimizer_step_as_traced(tmp_path, accumulate):
+    callback, trace = ParameterStatsCallback(), Trace()
+    trainer = _trainer(callback, tmp_path, gradient_accumulation_steps=accumulate)
+    trainer.add_callback(trace)
+    trainer.train()
+    ps = callback.parameter_stats
+    steps = ROWS // (BATCH * accumulate)
+    assert ps.num_steps == trainer.state.global_step == len(trace.grads) == steps
+    assert ps.expected_steps == trainer.state.max_steps
+    assert ps.param_names == [name for name, _ in trainer.model.named_parameters()]
+    _assert_traced(ps, trace)
+    ps.optimizer.step()  # the hooks are gone: no column
+    assert ps.num_steps == steps
+
+
+def test_parameter_metrics_go_into_the_logs_of_their_step(tmp_path, capsys):
+    callback = ParameterStatsCallback(log_every_n_steps=3)
+    trainer = _trainer(callback, tmp_path, logging_steps=5, max_grad_norm=1.0)
+    trainer.train()
+    ps = callback.parameter_stats
+    logged = {e["step"]: e for e in trainer.state.log_history if "parameters/grad/global_norm" in e}
+    assert sorted(logged) == [3, 6, 9]
+    tags = [tag for tag in logged[3] if tag.startswith("parameters/")]
+    parameters = len(ps.param_names)
+    # A norm per kind and parameter, a global norm per kind, an update ratio per parameter.
+    assert len(tags) == 3 * parameters + 3 + parameters
+    classifier = ps.param_index("classifier.weight")
+    for step, entry in logged.items():
+        for kind in ("weight", "grad", "update"):
+            norm = float(ps.extra[kind]["norm"][classifier, step - 1])
+            assert entry[f"parameters/{kind}/classifier.weight/norm"] == pytest.approx(norm)
+        ratio = float(ps.update_ratio[classifier, step - 1])
+        assert entry["parameters/update_ratio/classifier.weight"] == pytest.approx(ratio)
+        # The Trainer's grad_norm is before clipping; the optimizer stepped with the clipped.
+        clipped = min(entry["grad_norm"], trainer.args.max_grad_norm)
+        assert entry["parameters/grad/global_norm"] == pytest.approx(clipped, rel=1e-4)
+    printed = capsys.readouterr()
+    assert "'loss'" in printed.out and "parameters/" not in printed.out + printed.err
+
+
+def test_parameter_stats_resume_from_a_checkpoint(tmp_path):
+    activations, first = ActivationStatsCallback(), ParameterStatsCallback(hist_bins=4)
+    trainer = _trainer(activations, tmp_path, save_strategy="steps", save_steps=5)
+    trainer.add_callback(first)
+    trainer.train()
+    checkpoint = tmp_path / "checkpoint-10"
+    assert (checkpoint / "fasthooks_parameter_stats_rank0.pt").is_file()
+    assert (checkpoint / "fasthooks_activation_stats_rank0.pt").is_file()
+    resumed, trace = ParameterStatsCallback(hist_bins=4), Trace()
+    trainer = _trainer(resumed, tmp_path, num_train_epochs=2)
+    trainer.add_callback(trace)
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    ps, before = resumed.parameter_stats, first.parameter_stats
+    assert ps.num_steps == trainer.state.global_step == 20
+    assert ps.steps.tolist() == list(range(20))
+    for kind in ps.kinds:
+        assert torch.equal(ps.stats[kind][:, :, :10], before.stats[kind])
+        assert torch.equal(ps.hist[kind][:, :10], before.hist[kind])
+    final = torch.tensor([p.detach().norm() for p in trainer.model.parameters()])
+    torch.testing.assert_close(ps.extra["weight"]["norm"][:, -1], final)
+
+
+def test_with_block_removes_the_parameter_hooks_when_training_raises(tmp_path):
+    class Fail(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise RuntimeError("injected failure")
+
+    callback = ParameterStatsCallback(of="grad")
+    trainer = _trainer(callback, tmp_path)
+    trainer.add_callback(Fail())
+    with pytest.raises(RuntimeError, match="injected failure"), callback:
+        trainer.train()
+    ps = callback.parameter_stats
+    assert ps.num_steps == 3 and ps.global_norm("grad").gt(0).all()
+    ps.optimizer.step()
+    assert ps.num_steps == 3
+
+
+def test_parameter_callback_arguments_are_checked_when_it_is_made():
+    with pytest.raises(ValueError, match="hist_range must be finite"):
+        ParameterStatsCallback(hist_bins=4, hist_range=(1.0, 0.0))
+    with pytest.raises(TypeError, match="model: the callback hooks the model"):
+        ParameterStatsCallback(model=torch.nn.Linear(2, 2))

@@ -18,9 +18,13 @@ EXAMPLES = {m["name"]: m["code"] for page in PAGES for m in EXAMPLE.finditer(pag
 # The framework each example needs, if any.
 NEEDS = {
     "quickstart": None,
+    "per-rank sinks": None,
     "Lightning": "lightning",
     "Hugging Face": "transformers",
     "fastai": "fastai",
+    "Lightning parameters": "lightning",
+    "Hugging Face parameters": "transformers",
+    "fastai parameters": "fastai",
     "DDP": None,
     "FSDP2": None,
     "tensor parallelism": None,

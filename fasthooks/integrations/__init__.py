@@ -1,8 +1,9 @@
-"""One callback per training framework, each `ActivationStatsCallback(**activation_stats_args)`:
+"""Two callbacks per training framework, `ActivationStatsCallback(**activation_stats_args)` and
+`ParameterStatsCallback(**parameter_stats_args)`:
 
-- `fasthooks.integrations.lightning`: a `lightning.pytorch.Callback`;
-- `fasthooks.integrations.transformers`: a `transformers.TrainerCallback`;
-- `fasthooks.integrations.fastai`: a fastai (v2) `Callback`.
+- `fasthooks.integrations.lightning`: `lightning.pytorch.Callback`s;
+- `fasthooks.integrations.transformers`: `transformers.TrainerCallback`s;
+- `fasthooks.integrations.fastai`: fastai (v2) `Callback`s.
 
 Each module imports its framework; importing fasthooks imports none of them.
 """

@@ -1,9 +1,13 @@
-"""ActivationStats in a Hugging Face `Trainer`: `pip install fasthooks[transformers]`.
+"""ActivationStats and ParameterStats in a Hugging Face `Trainer`:
+`pip install fasthooks[transformers]`.
 
 Examples:
-    >>> from fasthooks.integrations.transformers import ActivationStatsCallback
-    >>> callback = ActivationStatsCallback(extra=["max"], hist_bins=40)
-    >>> # Trainer(model, args, train_dataset=..., callbacks=[callback]).train()
+    >>> from fasthooks.integrations.transformers import (
+    ...     ActivationStatsCallback,
+    ...     ParameterStatsCallback,
+    ... )
+    >>> callbacks = [ActivationStatsCallback(extra=["max"]), ParameterStatsCallback(of="grad")]
+    >>> # Trainer(model, args, train_dataset=..., callbacks=callbacks).train()
 """
 
 from __future__ import annotations
@@ -19,15 +23,13 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..export import is_metric_tag
-from .recorder import FitRecorder, RecordingCallback
+from .activation_recorder import ActivationFitRecorder, RecordsActivations
+from .parameter_recorder import ParameterFitRecorder, RecordsParameters
+from .recorder import FitRecorder
 
 # Written into each checkpoint folder, one per process.
 STATE_FILE = "fasthooks_activation_stats_rank{rank}.pt"
-
-
-def _state_file(args: TrainingArguments, step: int) -> Path:
-    folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
-    return folder / STATE_FILE.format(rank=args.process_index)
+PARAMETER_STATE_FILE = "fasthooks_parameter_stats_rank{rank}.pt"
 
 
 def _console_without_statistics(on_log: Any) -> Any:
@@ -56,59 +58,52 @@ def _keep_console_readable() -> None:
         console.on_log = _console_without_statistics(console.on_log)
 
 
-class ActivationStatsCallback(RecordingCallback, TrainerCallback):
-    """Records `ActivationStats(model, **kwargs)` over each `Trainer.train()`.
+class _TrainerRecording(TrainerCallback):
+    """The Trainer events of a recording callback."""
 
-    One column per optimizer step: the micro-batches of `gradient_accumulation_steps` merge into
-    it. `expected_batches` defaults to the Trainer's `max_steps`. Every `log_every_n_steps`
-    optimizer steps (default: the Trainer's `logging_steps`, 0 for none) the newest column is
-    added, tagged `activations/<module>/<stat>`, to that step's logs: `trainer.state.log_history`
-    and every callback after this one, so that `report_to` integrations (TensorBoard, wandb, ...)
-    receive it when this callback comes first (`trainer.callback_handler.callbacks.insert(0,
-    callback)`). At the end of training, hooks are removed and, when a process group is
-    initialised, every rank's statistics are merged (`all_reduce`). The Trainer tells callbacks
-    nothing of an exception: run `trainer.train()` inside `with callback:` to remove the hooks
-    then too. The console line the Trainer prints leaves the statistics out and says how many
-    were logged. Each checkpoint folder gets the statistics so far (`STATE_FILE`), and training
-    resumed from a checkpoint in `output_dir` continues their columns. With
-    `on_nonfinite="raise"` training stops after the step where it was found and
-    `trainer.train()` raises `NonFiniteError`. With `window=` and no `sink=`, every column
-    also goes to `<logging_dir or output_dir>/fasthooks/activations` (`fasthooks.load` reads
-    it). The live
-    object is `.activation_stats`.
-    """
+    _recorder: FitRecorder
+    # The file of each checkpoint folder that holds the statistics, per process.
+    _state_file: str
 
-    def __init__(self, log_every_n_steps: int | None = None, **kwargs: Any) -> None:
-        self._recorder = FitRecorder(kwargs, log_every_n_steps)
+    def __init__(self, recorder: FitRecorder) -> None:
+        self._recorder = recorder
         _keep_console_readable()
         self._pending: tuple[int, dict[str, float]] | None = None
+
+    def _begin(self, log_dir: str, estimated_steps: int, events: dict[str, Any]) -> None:
+        """Start recording what the Trainer hands callbacks (`events`: model, optimizer...)."""
+        raise NotImplementedError
+
+    def _saved_state(self, args: TrainingArguments, step: int) -> Path:
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        return folder / self._state_file.format(rank=args.process_index)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if state.global_step > 0:  # resumed from a checkpoint
-            saved = _state_file(args, state.global_step)
+            saved = self._saved_state(args, state.global_step)
             if saved.is_file():
                 self._recorder.resume = torch.load(saved, weights_only=True)
             else:
                 warnings.warn(
-                    f"ActivationStatsCallback: training resumes at step {state.global_step} but "
+                    f"{type(self).__name__}: training resumes at step {state.global_step} but "
                     f"{saved} is missing, so the statistics start again from this step",
                     RuntimeWarning,
                     stacklevel=2,
                 )
         # transformers 5 has no logging_dir: the output folder is the run's own then.
         log_dir = getattr(args, "logging_dir", None) or args.output_dir
-        self._recorder.begin(kwargs["model"], state.max_steps, log_dir)
+        self._begin(log_dir, state.max_steps, kwargs)
         self._pending = None
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        act = self.activation_stats
-        saved = _state_file(args, state.global_step)
-        if act is not None and saved.parent.is_dir():
-            torch.save(act.state_dict(), saved)
+        recording = self._recorder.recording
+        saved = self._saved_state(args, state.global_step)
+        if recording is not None and saved.parent.is_dir():
+            torch.save(recording.state_dict(), saved)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -116,7 +111,7 @@ class ActivationStatsCallback(RecordingCallback, TrainerCallback):
         logging_steps = state.logging_steps if args.logging_strategy == "steps" else 0
         metrics = self._recorder.step(int(logging_steps))
         if self._recorder.stopped_by is not None:
-            control.should_training_stop = True  # NonFiniteError, raised from on_train_end
+            control.should_training_stop = True  # the error is raised from on_train_end
         if metrics:
             self._pending = (state.global_step, metrics)
             control.should_log = True  # the Trainer logs this step, and on_log adds the metrics
@@ -141,3 +136,81 @@ class ActivationStatsCallback(RecordingCallback, TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._recorder.end()
+
+
+class ActivationStatsCallback(RecordsActivations, _TrainerRecording):
+    """Records `ActivationStats(model, **kwargs)` over each `Trainer.train()`.
+
+    One column per optimizer step: the micro-batches of `gradient_accumulation_steps` merge into
+    it. `expected_batches` defaults to the Trainer's `max_steps`. Every `log_every_n_steps`
+    optimizer steps (default: the Trainer's `logging_steps`, 0 for none) the newest column is
+    added, tagged `activations/<module>/<stat>`, to that step's logs: `trainer.state.log_history`
+    and every callback after this one, so that `report_to` integrations (TensorBoard, wandb, ...)
+    receive it when this callback comes first (`trainer.callback_handler.callbacks.insert(0,
+    callback)`). At the end of training, hooks are removed and, when several processes train (an
+    initialised process group of more than one rank), every rank's statistics are merged
+    (`all_reduce`). The Trainer tells callbacks nothing of an exception: run `trainer.train()`
+    inside `with callback:` to remove the hooks then too. The console line the Trainer prints
+    leaves the statistics out and says how many were logged. Each checkpoint folder gets the
+    statistics so far (`STATE_FILE`), and training resumed from a checkpoint in `output_dir`
+    continues their columns. With `on_nonfinite="raise"` training stops after the step where it
+    was found and `trainer.train()` raises `NonFiniteError`. With `window=` and no `sink=`, every
+    column also goes to `<logging_dir or output_dir>/fasthooks/activations` (`fasthooks.load`
+    reads it). The live object is `.activation_stats`.
+    """
+
+    _state_file = STATE_FILE
+
+    def __init__(self, log_every_n_steps: int | None = None, **kwargs: Any) -> None:
+        super().__init__(ActivationFitRecorder(kwargs, log_every_n_steps))
+
+    def _begin(self, log_dir: str, estimated_steps: int, events: dict[str, Any]) -> None:
+        self._recorder.begin(events["model"], estimated_steps=estimated_steps, log_dir=log_dir)
+
+
+class ParameterStatsCallback(RecordsParameters, _TrainerRecording):
+    """Records `ParameterStats(model, optimizer, **kwargs)` over each `Trainer.train()`: the
+    Trainer's model and the torch optimizer it steps (the one inside accelerate's wrapper).
+
+    One column per optimizer step, through the optimizer's step hooks: the micro-batches of
+    `gradient_accumulation_steps` make one step, and a step that the mixed-precision scaler
+    skips records none. `expected_steps` defaults to the Trainer's `max_steps`. Every
+    `log_every_n_steps` optimizer steps (default: the Trainer's `logging_steps`, 0 for none)
+    the newest step is added to that step's logs, as for `ActivationStatsCallback`, tagged as
+    `fasthooks.export.newest_parameter_metrics` tags it: each parameter's norm per kind,
+    `parameters/<kind>/<param>/norm`, the global norm per kind, `parameters/<kind>/global_norm`
+    (for "grad", after any clipping: `max_grad_norm` when it engaged), and each parameter's
+    update ratio, `parameters/update_ratio/<param>` (the other statistics stay in
+    `.parameter_stats`). At the end of training, hooks are removed and, when several processes
+    train, every rank's statistics are merged (`all_reduce`); run `trainer.train()` inside
+    `with callback:` to remove the hooks on an exception too. Each checkpoint folder gets the
+    statistics so far (`PARAMETER_STATE_FILE`), and training resumed from a checkpoint in
+    `output_dir` continues their columns. With `window=` and no `sink=`, every column also goes
+    to `<logging_dir or output_dir>/fasthooks/parameters` (`fasthooks.load(folder, kind="grad")`
+    reads it). The live object is `.parameter_stats`.
+    """
+
+    _state_file = PARAMETER_STATE_FILE
+
+    def __init__(self, log_every_n_steps: int | None = None, **kwargs: Any) -> None:
+        super().__init__(ParameterFitRecorder(kwargs, log_every_n_steps))
+
+    def _begin(self, log_dir: str, estimated_steps: int, events: dict[str, Any]) -> None:
+        self._recorder.begin(
+            events["model"],
+            _stepping_optimizer(events.get("optimizer")),
+            estimated_steps=estimated_steps,
+            log_dir=log_dir,
+        )
+
+
+def _stepping_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer that takes the steps: accelerate's wrapper (`.optimizer` inside)
+    calls its `step`, and only that one runs the step hooks."""
+    if optimizer is None:
+        raise RuntimeError(
+            "ParameterStatsCallback: the Trainer handed callbacks no optimizer at on_train_begin"
+        )
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
