@@ -111,9 +111,14 @@ class ColumnStore:
     # The sink ---------------------------------------------------------------------------------
 
     def start_sink(
-        self, sink: str | Callable[..., Any], describe: dict[str, Any], saved: dict | None
+        self,
+        sink: str | Callable[..., Any],
+        describe: dict[str, Any],
+        saved: dict | None,
+        origin: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        """Send the columns to `sink` from now on, after those a resumed state had sent."""
+        """Send the columns to `sink` from now on, after those a resumed state had sent;
+        `origin()` adds to each chunk's settings what is known only once recorded."""
         self.stop_sink()
         sent, through = 0, -1
         if saved is not None and "sink_sent" in saved:
@@ -121,7 +126,7 @@ class ColumnStore:
         elif saved is not None:  # saved without a sink: the held columns are what it can have
             sent = saved["num_batches"] - len(saved["batches"])
         describe = {**describe, "kinds": self.kinds}
-        self.drain = ColumnDrain(sink, self.window, describe, sent, through)
+        self.drain = ColumnDrain(sink, self.window, describe, sent, through, origin)
 
     def flush(self) -> None:
         """Send every closed column not yet sent, and wait until the sink has it."""

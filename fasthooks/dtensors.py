@@ -69,11 +69,21 @@ class Piece:
         coordinates = torch.stack(torch.unravel_index(torch.arange(len(ranks)), root.mesh.shape))
         keys = coordinates[kept].t().tolist() if kept else [[] for _ in ranks]
         self._key = dict(zip(ranks, map(tuple, keys), strict=True))
+        self._lowest: dict[int, int | None] = {}
 
     def same(self, rank: int, other: int) -> bool:
         """Whether `other` holds the same values as `rank`."""
         key = self._key.get(rank)
         return key is not None and self._key.get(other) == key
+
+    def lowest(self, rank: int) -> int | None:
+        """The lowest rank holding the same values as `rank` (None: `rank` is not on the mesh);
+        ranks with the same lowest one hold the same values."""
+        if rank not in self._lowest:  # once per rank: a sink asks at every chunk
+            key = self._key.get(rank)
+            same = [r for r, k in self._key.items() if key is not None and k == key]
+            self._lowest[rank] = min(same, default=None)
+        return self._lowest[rank]
 
     @staticmethod
     def of(t: torch.Tensor, outside_replicated: bool) -> Piece:
@@ -149,3 +159,22 @@ class LocalPieces:
     def by_name(self, names: list[str]) -> dict[str, str]:
         """The placements seen, by the name of their row."""
         return {names[row]: placements for row, placements in sorted(self.placements.items())}
+
+
+def sink_origin(pieces: dict[int, Piece], names: list[str]) -> dict[str, Any]:
+    """What a sink folder keeps of where its values come from, for `fasthooks.load` to merge
+    several ranks' folders: "rank", this process's (None without a process group), and
+    "pieces": for each row recorded from a DTensor's local piece (by name), the lowest rank
+    holding the same values; the folders of ranks with the same one hold the same values.
+
+    Examples:
+        >>> sink_origin({}, ["0"])
+        {'rank': None, 'pieces': {}}
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return {"rank": None, "pieces": {}}
+    me = dist.get_rank()
+    lowest = {names[row]: piece.lowest(me) for row, piece in sorted(pieces.items())}
+    return {"rank": me, "pieces": {name: r for name, r in lowest.items() if r is not None}}

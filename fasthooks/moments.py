@@ -130,8 +130,11 @@ def merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(na == 0, b, torch.where(nb == 0, a, merged))
 
 
-def finalise(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """float32 (mean, std) and, for a full state, (min, max, near_zero, kurtosis) of state planes.
+def finalise(
+    state: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(mean, std) and, for a full state, (min, max, near_zero, kurtosis) of state planes, as
+    `dtype` (float32: what a run keeps; float64: what a sink file writes).
 
     A slot with no element reads NaN; std and kurtosis need two elements, kurtosis a spread.
 
@@ -148,7 +151,7 @@ def finalise(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             torch.where(some, state[MEAN], nan),
             torch.where(several, (state[M2] / (count - 1)).sqrt(), nan),
         )
-    ).float()
+    ).to(dtype)
     if state.shape[0] != len(STATE_PLANES):
         return stats, None
     m2 = state[M2]
@@ -159,7 +162,7 @@ def finalise(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             torch.where(some, state[NEAR_ZERO] / count, nan),
             torch.where(several & (m2 > 0), count * state[M4] / (m2 * m2), nan),
         )
-    ).float()
+    ).to(dtype)
     return stats, extra
 
 

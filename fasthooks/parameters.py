@@ -23,7 +23,7 @@ from .arguments import (
 )
 from .buffers import StatBuffers
 from .column_store import ColumnStore
-from .dtensors import LocalPieces
+from .dtensors import LocalPieces, sink_origin
 from .layout import COUNT, DERIVED_EXTRAS, M2, MEAN
 from .merging import Merged, Rows, all_reduce
 from .ops import backend_for_device, resolve_backend, resolve_list_backend
@@ -245,11 +245,14 @@ class ParameterStats:
                 "extra": list(dict.fromkeys((*self.extra_names, "nonfinite"))),
                 "types": self.param_types,
             }
-            self._store.start_sink(self.sink, describe, resume)
+            self._store.start_sink(self.sink, describe, resume, self._sink_origin)
         self._handles = [
             self.optimizer.register_step_pre_hook(self._before_step),
             self.optimizer.register_step_post_hook(self._after_step),
         ]
+
+    def _sink_origin(self) -> dict[str, Any]:
+        return sink_origin(self._pieces.pieces, self.param_names)
 
     def stop(self) -> None:
         """Remove the step hooks and send the sink what it lacks; the statistics stay

@@ -8,6 +8,16 @@ each extra, "count": the elements recorded, "hist": one row per bin, "first_nonf
 (int32: the histogram bin of a "hist" row, else null) and `value` (float64). Each file's schema
 metadata keeps the run's settings under the key "fasthooks".
 
+Format 2 keeps each slot's float64 merge state too, from which `fasthooks.load` merges several
+ranks' folders exactly: "mean" and "std" are written from it in float64, with "m2" (the sum of
+squared deviations from the mean) and, in a run with extras, "m3" and "m4" (the sums of their
+cubes and fourth powers), "min" and "max" (whatever the extras asked), "near_zero_count" (how
+many elements were at most the near-zero threshold) and "nonfinite" (how many were NaN or
+infinite); a slot with no element has count 0 and NaN mean, std, min and max. The settings add
+"rank" (the process's rank, None without a process group) and "pieces": for each row recorded
+from a DTensor's local piece, the lowest rank holding the same values. A format 1 folder lacks
+all this and loads alone.
+
 A file is written under a hidden name and renamed into place, so a process killed while writing
 leaves no partial file: the folder always loads.
 """
@@ -20,12 +30,30 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
+
+from .layout import COUNT, M2, M3, M4, MAX, MEAN, MIN, NEAR_ZERO, NONFINITE
+from .moments import finalise
 
 if TYPE_CHECKING:
     from .sink import SinkChunk
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# The first format that keeps the merge state.
+MERGEABLE_FORMAT = 2
 METADATA_KEY = b"fasthooks"
+# The merge state planes a file keeps, by the stat that names each.
+STATE_STATS = {
+    "count": COUNT,
+    "mean": MEAN,
+    "m2": M2,
+    "m3": M3,
+    "m4": M4,
+    "min": MIN,
+    "max": MAX,
+    "near_zero_count": NEAR_ZERO,
+    "nonfinite": NONFINITE,
+}
 
 
 def require_pyarrow() -> Any:
@@ -67,10 +95,27 @@ def _repeat_rows(values: np.ndarray, batches: np.ndarray) -> dict[str, Any]:
     }
 
 
+def _planes(chunk: SinkChunk) -> dict[str, torch.Tensor]:
+    """Every statistic of each slot but the histogram and the call order, by name: mean and std
+    in float64, the extras not in the state, then the merge state."""
+    state = chunk.state
+    stats, _ = finalise(state, torch.float64)
+    planes = {"mean": stats[0], "std": stats[1]}
+    planes.update({name: v for name, v in chunk.extra.items() if name not in STATE_STATS})
+    empty = state[COUNT] == 0
+    for stat, plane in STATE_STATS.items():
+        if plane < state.shape[0] and stat not in planes:
+            values = state[plane]
+            if plane in (MIN, MAX):  # an empty slot's read NaN, as finalised, not the fill 0
+                values = values.masked_fill(empty, float("nan"))
+            planes[stat] = values
+    return planes
+
+
 def _table_parts(chunk: SinkChunk) -> list[tuple[str, dict[str, Any], Any]]:
     """(stat, its batch, name and value columns, its bins or None) for each statistic."""
     batches = chunk.batches.numpy()
-    planes = {"mean": chunk.stats[0], "std": chunk.stats[1], **chunk.extra, "count": chunk.count}
+    planes = _planes(chunk)
     parts: list[tuple[str, dict[str, Any], Any]] = [
         (stat, _repeat_rows(values.numpy(), batches), None) for stat, values in planes.items()
     ]
@@ -136,6 +181,52 @@ def write_chunk(folder: str, chunk: SinkChunk, describe: dict[str, Any]) -> None
     os.replace(hidden, final)
 
 
+def file_settings(table: Any) -> dict[str, Any]:
+    """The run's settings a file keeps (its "format" among them)."""
+    return json.loads(table.schema.metadata[METADATA_KEY])
+
+
+def file_columns(table: Any) -> dict[str, np.ndarray]:
+    """A file's columns as arrays, its dictionary columns ("name", "stat") as the positions of
+    their values, which "names" and "stats" list."""
+    out = {}
+    for name in ("batch", "bin", "value"):
+        out[name] = table.column(name).to_numpy(zero_copy_only=False)
+    for name in ("name", "stat"):
+        column = table.column(name).combine_chunks()
+        out[name] = column.indices.to_numpy(zero_copy_only=False)
+        out[name + "s"] = column.dictionary.to_pylist()
+    return out
+
+
+def read_planes(
+    files: list[dict[str, np.ndarray]],
+    names: list[str],
+    batches: np.ndarray,
+    planes: dict[str, torch.Tensor],
+    hist: torch.Tensor | None,
+) -> None:
+    """Place the values of a kind's files (`file_columns`) by stat into `planes`, each
+    `(rows, batches)` and cast to its dtype, and the "hist" rows into `hist`
+    `(rows, batches, bins)`; rows by `names`, columns by the sorted `batches`. Other stats are
+    left out."""
+    position = {name: i for i, name in enumerate(names)}
+    for f in files:
+        row_of = np.array([position[n] for n in f["names"]], dtype=np.int64)
+        for s, stat in enumerate(f["stats"]):
+            target = hist if stat == "hist" else planes.get(stat)
+            if target is None:
+                continue
+            chosen = f["stat"] == s
+            r = torch.from_numpy(row_of[f["name"][chosen]])
+            c = torch.from_numpy(np.searchsorted(batches, f["batch"][chosen]))
+            values = torch.from_numpy(f["value"][chosen]).to(target.dtype)
+            if stat == "hist":
+                target[r, c, torch.from_numpy(f["bin"][chosen].astype(np.int64))] = values
+            else:
+                target[r, c] = values
+
+
 def read_folder(folder: str | os.PathLike) -> dict[str, tuple[dict[str, Any], list[Any]]]:
     """Per kind, (the run's settings, the pyarrow tables of its files), from a sink folder."""
     require_pyarrow()
@@ -149,7 +240,11 @@ def read_folder(folder: str | os.PathLike) -> dict[str, tuple[dict[str, Any], li
         by_kind.setdefault(file.name.split("-")[0], []).append(pq.read_table(file))
     if not by_kind:
         raise FileNotFoundError(f"load: no recorded columns in {os.fspath(folder)!r}")
-    return {
-        kind: (json.loads(tables[0].schema.metadata[METADATA_KEY]), tables)
-        for kind, tables in by_kind.items()
-    }
+    for tables in by_kind.values():
+        written = max(file_settings(t)["format"] for t in tables)
+        if written > FORMAT_VERSION:
+            raise ValueError(
+                f"load: {os.fspath(folder)!r} was written in sink format {written}, newer than "
+                f"this fasthooks reads ({FORMAT_VERSION}): upgrade fasthooks"
+            )
+    return {kind: (file_settings(tables[0]), tables) for kind, tables in by_kind.items()}

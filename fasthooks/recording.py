@@ -4,13 +4,16 @@ recorder that wrote it."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from .parquet import read_folder
+from .parquet import file_columns, read_folder, read_planes
 from .reading import Reading, stepped_call_order
+
+Paths = str | os.PathLike | Sequence[str | os.PathLike]
 
 
 class Recording(Reading):
@@ -30,6 +33,7 @@ class Recording(Reading):
         extra: dict[str, torch.Tensor],
         hist: torch.Tensor | None,
         order: torch.Tensor,
+        nonfinite_ranks: dict[tuple[int, str], int] | None = None,
     ) -> None:
         self.kind = settings["kind"]
         self.recorder = settings["recorder"]
@@ -39,7 +43,7 @@ class Recording(Reading):
         self.hist_bins = int(settings.get("hist_bins", 0))
         self.hist_min, self.hist_max = (float(v) for v in settings.get("hist_range", (0, 1)))
         self.is_forward = self.kind != "backward"
-        self.nonfinite_ranks: dict[tuple[int, str], int] = {}
+        self.nonfinite_ranks = {} if nonfinite_ranks is None else nonfinite_ranks
         self.batches, self.stats, self.extra = batches, stats, extra
         if self.recorder == "ParameterStats" and "nonfinite" in extra:
             order = stepped_call_order(extra["nonfinite"])
@@ -63,20 +67,9 @@ class Recording(Reading):
         )
 
 
-def _columns(table: Any) -> dict[str, np.ndarray]:
-    """A file's columns, dictionary columns as their values' positions."""
-    out = {}
-    for name in ("batch", "bin", "value"):
-        out[name] = table.column(name).to_numpy(zero_copy_only=False)
-    for name in ("name", "stat"):
-        column = table.column(name).combine_chunks()
-        out[name] = column.indices.to_numpy(zero_copy_only=False)
-        out[name + "s"] = column.dictionary.to_pylist()
-    return out
-
-
 def _assemble(settings: dict[str, Any], tables: list[Any]) -> Recording:
-    files = [_columns(t) for t in tables]
+    """One folder's recording, from the finalised statistics its files keep (any format)."""
+    files = [file_columns(t) for t in tables]
     batches = np.unique(np.concatenate([f["batch"] for f in files]))
     names, extra_names = settings["names"], settings["extra"]
     rows, columns, bins = len(names), len(batches), int(settings.get("hist_bins", 0))
@@ -96,25 +89,37 @@ def _assemble(settings: dict[str, Any], tables: list[Any]) -> Recording:
         "first_nonfinite_call": order[0],
         "nonfinite_in_call": order[1],
     }
-    position = {name: i for i, name in enumerate(names)}
-    for f in files:
-        row_of = np.array([position[n] for n in f["names"]], dtype=np.int64)
-        for s, stat in enumerate(f["stats"]):
-            chosen = f["stat"] == s
-            r = torch.from_numpy(row_of[f["name"][chosen]])
-            c = torch.from_numpy(np.searchsorted(batches, f["batch"][chosen]))
-            values = torch.from_numpy(f["value"][chosen])
-            if stat == "hist":
-                hist[r, c, torch.from_numpy(f["bin"][chosen].astype(np.int64))] = values.long()
-            elif stat in planes:
-                planes[stat][r, c] = values.to(planes[stat].dtype)
+    read_planes(files, names, batches, planes, hist)
     return Recording(settings, torch.from_numpy(batches), stats, extra, hist, order)
 
 
-def load(path: str | os.PathLike, kind: str | None = None) -> Recording:
+def _kind_of(folder: str | os.PathLike, kind: str | None) -> tuple[dict[str, Any], list[Any]]:
+    """(settings, files) of one kind of a sink folder: `kind`, or the only one it holds."""
+    kinds = read_folder(folder)
+    if kind is None:
+        if len(kinds) > 1:
+            raise ValueError(
+                f"load: {os.fspath(folder)!r} holds the kinds {sorted(kinds)}; pick one with kind="
+            )
+        kind = next(iter(kinds))
+    if kind not in kinds:
+        raise KeyError(
+            f"load: kind {kind!r} is not in {os.fspath(folder)!r}; it holds {sorted(kinds)}"
+        )
+    return kinds[kind]
+
+
+def load(paths: Paths, kind: str | None = None) -> Recording:
     """Every recorded batch of a run from its sink folder (`sink="folder"`), read-only, with the
     reading API of `ActivationStats`. `kind` picks one of several kinds in the folder ("weight",
     "grad", "update" of a `ParameterStats` run, or a forward and a backward run side by side).
+
+    A list of folders, one per rank of a distributed run (`sink=f"run/rank{rank}"`), loads as
+    one recording merged exactly as `all_reduce` merges the ranks: rows by name (the first
+    folder's, then names only later ones hold), batches the union (a batch a rank lacks is empty
+    there), a replicated piece of a DTensor or a plain parameter counted once, and
+    `first_nonfinite()` naming the rank (a folder written without a process group counts as the
+    rank of its place in the list). The folders must be written with the same options.
 
     Examples:
         >>> import tempfile
@@ -127,16 +132,26 @@ def load(path: str | os.PathLike, kind: str | None = None) -> Recording:
         ...         act.on_batch_end()
         >>> act.stats.shape, load(folder).stats.shape
         (torch.Size([2, 1, 2]), torch.Size([2, 1, 5]))
+
+        Two ranks' folders, each rank with half of a batch, merge into the whole batch's:
+
+        >>> x, folders = torch.randn(8, 4), [tempfile.mkdtemp(), tempfile.mkdtemp()]
+        >>> for half, rank_folder in zip(x.split(4), folders):
+        ...     with ActivationStats(model, backend="python", sink=rank_folder) as act:
+        ...         _ = model(half)
+        ...         act.on_batch_end()
+        >>> whole = model(x).detach()
+        >>> torch.allclose(load(folders).stats[:, 0, 0], torch.stack([whole.mean(), whole.std()]))
+        True
     """
-    kinds = read_folder(path)
-    if kind is None:
-        if len(kinds) > 1:
-            raise ValueError(
-                f"load: {os.fspath(path)!r} holds the kinds {sorted(kinds)}; pick one with kind="
-            )
-        kind = next(iter(kinds))
-    if kind not in kinds:
-        raise KeyError(
-            f"load: kind {kind!r} is not in {os.fspath(path)!r}; it holds {sorted(kinds)}"
-        )
-    return _assemble(*kinds[kind])
+    folders = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    if not folders:
+        raise ValueError("load: paths is empty; give a sink folder or a list of them")
+    first = _kind_of(folders[0], kind)
+    if len(folders) == 1:
+        return _assemble(*first)
+    # The first folder's kind is every folder's.
+    runs = [first] + [_kind_of(folder, first[0]["kind"]) for folder in folders[1:]]
+    from .sink_merge import merge_folders
+
+    return merge_folders([os.fspath(f) for f in folders], runs)

@@ -34,7 +34,8 @@ class SinkChunk(NamedTuple):
     training batch (or optimizer step) of each column; `stats`: float32 `(2, rows, k)`, mean and
     std; `extra`: each extra statistic `(rows, k)`; `count`: float64 `(rows, k)`, the elements
     recorded; `hist`: int64 `(rows, k, bins)` or None; `order`: int64 `(2, rows, k)`, the call
-    order `first_nonfinite` reads, or None.
+    order `first_nonfinite` reads, or None; `state`: float64 `(planes, rows, k)`, the merge state
+    (`layout.STATE_PLANES`, the first three without extras) that merges exactly.
     """
 
     kind: str
@@ -45,9 +46,10 @@ class SinkChunk(NamedTuple):
     count: torch.Tensor
     hist: torch.Tensor | None
     order: torch.Tensor | None
+    state: torch.Tensor
 
 
-class _HostColumns:
+class HostColumns:
     """Host copies of some columns of every buffer, read as `read_extras` reads a StatBuffers."""
 
     def __init__(self, copies: dict[str, torch.Tensor]) -> None:
@@ -76,7 +78,9 @@ class ColumnDrain:
     reuses them; `flush()` sends the rest and waits for the writer.
 
     `describe` holds what every chunk shares: "names", "extra" (the extra names to read),
-    "kinds" and the settings a Parquet file keeps for `fasthooks.load`.
+    "kinds" and the settings a Parquet file keeps for `fasthooks.load`; `origin()`, asked as
+    each chunk leaves, adds what is known only once recorded (the rank and the pieces of
+    distributed tensors, `dtensors.sink_origin`).
     """
 
     def __init__(
@@ -86,8 +90,9 @@ class ColumnDrain:
         describe: dict[str, Any],
         drained: int = 0,
         drained_through: int = -1,
+        origin: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        self.window, self.describe = window, describe
+        self.window, self.describe, self.origin = window, describe, origin
         self.drained = drained
         self.chunk = UNWINDOWED_CHUNK if window.size is None else max(1, window.size // 2)
         self.writer = _Writer(target, describe, drained_through)
@@ -107,6 +112,8 @@ class ColumnDrain:
 
     def _drain(self, buffers: dict[str, StatBuffers], batch_ids: Any, closed: int) -> None:
         ids = list(batch_ids)[len(batch_ids) - (closed - self.drained) :]
+        # On the training thread, which alone changes what the origin reads.
+        describe = self.describe if self.origin is None else {**self.describe, **self.origin()}
         first = self.drained
         while first < closed:  # one contiguous run of columns at a time
             start = self.window.column(first)
@@ -121,7 +128,7 @@ class ColumnDrain:
                 if b.state.device.type == "cuda":
                     event = torch.cuda.Event()
                     event.record()
-                self.writer.put((kind, chunk_ids, copies, event))
+                self.writer.put((kind, chunk_ids, copies, event, describe))
             first += length
         self.drained = closed
 
@@ -170,10 +177,12 @@ class _Writer:
             finally:
                 self.queue.task_done()
 
-    def _write(self, kind: str, batches: torch.Tensor, copies: dict, event: Any) -> None:
+    def _write(
+        self, kind: str, batches: torch.Tensor, copies: dict, event: Any, describe: dict
+    ) -> None:
         if event is not None:
             event.synchronize()
-        columns = _HostColumns(copies)
+        columns = HostColumns(copies)
         extra = read_extras(
             self.describe["extra"], lambda name, t: t.to(HOST_DTYPES[name]), columns
         )
@@ -186,13 +195,14 @@ class _Writer:
             columns.state[COUNT],
             columns.hist if columns.hist.numel() else None,
             columns.order if columns.order.numel() else None,
+            columns.state,
         )
         if callable(self.target):
             self.target(chunk)
         else:
             from .parquet import write_chunk
 
-            write_chunk(self.target, chunk, self.describe)
+            write_chunk(self.target, chunk, describe)
 
     def wait(self) -> None:
         if self.thread is not None:

@@ -22,7 +22,7 @@ from .arguments import (
 )
 from .buffers import StatBuffers
 from .column_store import ColumnStore
-from .dtensors import LocalPieces
+from .dtensors import LocalPieces, sink_origin
 from .hook import HookCallback
 from .layout import COUNT
 from .merging import Merged, Rows, all_reduce
@@ -274,7 +274,7 @@ class ActivationStats(HookCallback, Reading):
             self._seen = resume["seen"]
             self._sampled = self._seen % self.every == 0
         if self.sink is not None:
-            store.start_sink(self.sink, self._sink_description(), resume)
+            store.start_sink(self.sink, self._sink_description(), resume, self._sink_origin)
 
     def _new_store(
         self, rows: int, device: torch.device, resume: dict[str, Any] | None = None
@@ -309,6 +309,9 @@ class ActivationStats(HookCallback, Reading):
             **self._settings(),
             "types": self.module_types,
         }
+
+    def _sink_origin(self) -> dict[str, Any]:
+        return sink_origin(self._pieces.pieces, self.module_names)
 
     recorder = "ActivationStats"
 
