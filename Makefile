@@ -122,7 +122,7 @@ test-cuda-build: $(CUDA_VENV)/.ready
 # One abi3 wheel built against the CPU torch, which serves every torch >= 2.10, tagged for
 # manylinux_2_28 as torch's own wheels are, and any older policy its symbols allow (auditwheel
 # refuses the tag if a symbol needs a newer glibc; torch's own libraries are torch's to provide).
-## wheel: the abi3 manylinux wheel in dist/
+## wheel: the abi3 manylinux_2_28 wheels in dist/, x86-64 and aarch64 (cross-built)
 wheel: $(VENV)/.ready
 	rm -rf dist build/wheel build/lib.* build/bdist.*
 	$(VENV)/bin/pip wheel $(PIP_QUIET) --no-build-isolation --no-deps -w build/wheel . 2>&1 | \
@@ -131,9 +131,22 @@ wheel: $(VENV)/.ready
 		--plat manylinux_2_28_x86_64 \
 		--exclude 'libc10*.so' --exclude 'libtorch*.so' build/wheel/fasthooks-*.whl 2>&1 | \
 		grep -E "New WHEEL info tags|written to"
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel show dist/fasthooks-*.whl 2>&1 | \
-		grep -A1 "constrains the platform tag"
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel show dist/fasthooks-*x86_64.whl \
+		2>&1 | grep -A1 "constrains the platform tag"
 	ls dist/fasthooks-*-cp310-abi3-*manylinux_2_28_x86_64.whl
+	rm -rf build/wheel-aarch64
+	bash tests/aarch64.sh $(AARCH64) $(VENV)/bin/python build/wheel-aarch64
+	# auditwheel names only this host's platforms in --plat: it tags the aarch64 wheel for the
+	# oldest policy it meets, and manylinux_2_28 is added beside it, as for x86-64.
+	if ls build/wheel-aarch64/fasthooks-*.whl >/dev/null 2>&1; then \
+		PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel -v repair -w build/wheel-aarch64 \
+			--exclude 'libc10*.so' --exclude 'libtorch*.so' \
+			build/wheel-aarch64/fasthooks-*linux_aarch64.whl 2>&1 | grep -E "New WHEEL info tags"; \
+		$(VENV)/bin/python -m wheel tags --platform-tag +manylinux_2_28_aarch64 \
+			build/wheel-aarch64/fasthooks-*-manylinux_*_aarch64.whl; \
+		mv build/wheel-aarch64/fasthooks-*manylinux_2_28_aarch64.whl dist/; \
+		ls dist/fasthooks-*-cp310-abi3-*manylinux_2_28_aarch64.whl; \
+	fi
 
 ## sdist: the source distribution in dist/
 sdist: $(VENV)/.ready
@@ -145,7 +158,7 @@ sdist: $(VENV)/.ready
 test-wheel: wheel $(CUDA_VENV)/.ready
 	rm -rf $(WHEEL_CHECK)
 	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) --no-deps --target $(WHEEL_CHECK) \
-		dist/fasthooks-*-abi3-*.whl 2>&1 | $(PIP_FILTER)
+		dist/fasthooks-*-abi3-*x86_64.whl 2>&1 | $(PIP_FILTER)
 	PYTHONPATH=$(WHEEL_CHECK) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_WHEEL_DIR=$(WHEEL_CHECK) \
 		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU:torch==%=%) FASTHOOKS_REQUIRE_MODEL_ZOO=1 \
 		$(CUDA_VENV)/bin/pytest -p no:cacheprovider -n 2 -m "not cuda_on_cpu"

@@ -107,8 +107,9 @@ def extension_build():
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
     # Only torch's stable C ABI and header-only types, so the binary loads under any later torch.
     target = f"-DTORCH_TARGET_VERSION={STABLE_ABI_TARGET:#x}"
-    # C++20 for constinit kernel tables; torch before 2.13 would otherwise add -std=c++17.
-    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", target]
+    # C++17, not torch's default C++20: under C++20, torch's headers reach libstdc++ 11 symbols
+    # (std::stringbuf's str() overloads) that manylinux_2_28's libstdc++ lacks.
+    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden", target]
     # Found before the system's headers: see the header for why (manylinux_2_28).
     compat = [str(ROOT / "csrc" / "compat")]
     if _cuda_decision(torch.version.cuda, cpp_extension.CUDA_HOME):
@@ -118,7 +119,7 @@ def extension_build():
             sources,
             include_dirs=compat + _pip_cuda_include_dirs(),
             # USE_CUDA declares the C shim's CUDA functions (the current stream among them).
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20", target, "-DUSE_CUDA"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", target, "-DUSE_CUDA"]},
             py_limited_api=True,
         )
     else:

@@ -6,12 +6,14 @@
 # built by setup.py, as everywhere, with the cross compiler. Everything lands in DIR:
 #   DIR/root  the aarch64 Python      DIR/site  torch and the test packages
 #   DIR/lib   fasthooks with its aarch64 _C
+# With WHEELS, the aarch64 wheel too (linux_aarch64, for auditwheel to tag) in that folder.
 # Without root, apt-get or an x86-64 host it says so and builds nothing.
 #
-#     bash tests/aarch64.sh DIR PYTHON    (PYTHON: the host interpreter with torch, for setup.py)
+#     bash tests/aarch64.sh DIR PYTHON [WHEELS]   (PYTHON: the host interpreter with torch)
 set -euo pipefail
 dir=$(realpath -m "$1")
 python=$2
+wheels=${3:+$(realpath -m "$3")}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 say() { echo "aarch64: $*" >&2; }
 
@@ -51,11 +53,15 @@ fi
 
 say "building the extension with aarch64-linux-gnu-g++"
 rm -rf "$dir/lib"
-(cd "$repo" && CC=aarch64-linux-gnu-gcc CXX=aarch64-linux-gnu-g++ \
-	LDSHARED="aarch64-linux-gnu-g++ -shared" FASTHOOKS_NO_CUDA=1 \
-	CFLAGS="-I$dir/root/usr/include/aarch64-linux-gnu/python3.11" LDFLAGS="-L$dir/site/torch/lib" \
-	"$python" setup.py -q build_ext --build-lib "$dir/lib" --build-temp "$dir/tmp" 2>&1 |
-	{ grep -v '^\[' || true; })
+# setup.py with the cross compiler, against torch 2.10.0's aarch64 libraries.
+cross() {
+	(cd "$repo" && CC=aarch64-linux-gnu-gcc CXX=aarch64-linux-gnu-g++ \
+		LDSHARED="aarch64-linux-gnu-g++ -shared" FASTHOOKS_NO_CUDA=1 \
+		CFLAGS="-I$dir/root/usr/include/aarch64-linux-gnu/python3.11" \
+		LDFLAGS="-L$dir/site/torch/lib" "$python" setup.py -q "$@" 2>&1 |
+		{ grep -v '^\[' || true; })
+}
+cross build_ext --build-lib "$dir/lib" --build-temp "$dir/tmp"
 "$python" -c "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2], dirs_exist_ok=True,
     ignore=shutil.ignore_patterns('*.so', '__pycache__'))" "$repo/fasthooks" "$dir/lib/fasthooks"
 # e_machine of the ELF header: 183 is AArch64.
@@ -65,3 +71,8 @@ rm -rf "$dir/lib"
 	exit 1
 }
 say "built $(basename "$dir"/lib/fasthooks/_C*.so) for aarch64 against torch 2.10.0"
+if [[ -n "$wheels" ]]; then
+	cross build_ext --build-temp "$dir/tmp" bdist_wheel --plat-name linux_aarch64 \
+		--bdist-dir "$dir/bdist" -d "$wheels"
+	say "built $(basename "$wheels"/fasthooks-*linux_aarch64.whl)"
+fi

@@ -51,10 +51,16 @@ struct ChunkKernels {
 // file; after the pragma it defines its table with FASTHOOKS_KERNEL_TABLE. Nothing else in the
 // unit has external linkage, and nothing of it runs before capability.cpp has checked the CPU.
 //
-// A table is constant-initialised (constinit): its pointers are fixed when the library is
-// linked, so no code of the unit runs when the library loads. A dynamic initialiser in a unit
-// compiled for AVX-512 would run AVX-512 instructions at import, on any CPU.
-#define FASTHOOKS_KERNEL_TABLE(name, table) constinit const ChunkKernels name = table
+// A table is constant-initialised (C++20's constinit, which GCC and Clang give C++17 too):
+// its pointers are fixed when the library is linked, so no code of the unit runs when the
+// library loads. A dynamic initialiser in a unit compiled for AVX-512 would run AVX-512
+// instructions at import, on any CPU.
+#if defined(__clang__)
+#define FASTHOOKS_CONSTINIT [[clang::require_constant_initialization]]
+#else
+#define FASTHOOKS_CONSTINIT __constinit
+#endif
+#define FASTHOOKS_KERNEL_TABLE(name, table) FASTHOOKS_CONSTINIT const ChunkKernels name = table
 
 extern const ChunkKernels default_kernels;
 #if defined(__x86_64__) || defined(__i386__)
