@@ -81,9 +81,10 @@ def _stepped_parameters(
 class ParameterStats:
     """Records statistics of each parameter (`"weight"`, after the step), its gradient
     (`"grad"`, the one the optimizer steps with: after clipping, unscaled under
-    `torch.amp.GradScaler`) and its update (`"update"`, after the step minus before it), one
-    column per `optimizer.step()`, through the optimizer's step hooks: any `torch.optim`
-    optimizer, and no call in the training loop.
+    `torch.amp.GradScaler`; read after the step when the step is given a closure, as LBFGS and
+    Lightning's are, since the closure computes it inside the step) and its update (`"update"`,
+    after the step minus before it), one column per `optimizer.step()`, through the optimizer's
+    step hooks: any `torch.optim` optimizer, and no call in the training loop.
 
     `ps.stats[kind]` is a float32 CPU tensor `(2, parameters, steps)` (mean and unbiased std);
     `ps.extra[kind][name]` `(parameters, steps)` holds "norm" (L2) and "absmax" always and any of
@@ -179,6 +180,7 @@ class ParameterStats:
     def _start(self) -> None:
         self._step_count = 0  # optimizer steps seen
         self._recording = False
+        self._grads_after = False  # whether this step's gradients are read after it (a closure)
         self._merged = Merged()
         self._others: list[tuple[str, str]] = []  # (name, type) of rows only other ranks hold
 
@@ -278,22 +280,30 @@ class ParameterStats:
         self._recording = self._step_count % self.every == 0
         if not self._recording:
             return
+        # A step given a closure (LBFGS, Lightning) computes its gradients inside the step:
+        # they are read after it.
+        self._grads_after = kwargs.get("closure", args[0] if args else None) is not None
         with torch.no_grad():
-            if "grad" in self.kinds:
-                grads = [
-                    self._no_grad
-                    if p.grad is None
-                    else self._pieces.local(p.grad, i, lambda i=i: self.param_names[i])
-                    for i, p in enumerate(self._params)
-                ]
-                self._call(self._store.buffers["grad"], [g.detach() for g in grads], [])
+            if "grad" in self.kinds and not self._grads_after:
+                self._record_grads()
             if "update" in self.kinds:
                 torch._foreach_copy_(self._snapshots, self._weights)
                 self._call(self._store.buffers["before"], self._weights, [])
 
+    def _record_grads(self) -> None:
+        grads = [
+            self._no_grad
+            if p.grad is None
+            else self._pieces.local(p.grad, i, lambda i=i: self.param_names[i])
+            for i, p in enumerate(self._params)
+        ]
+        self._call(self._store.buffers["grad"], [g.detach() for g in grads], [])
+
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._recording:
             with torch.no_grad():
+                if "grad" in self.kinds and self._grads_after:
+                    self._record_grads()
                 if "weight" in self.kinds:
                     self._call(self._store.buffers["weight"], self._weights, [])
                 if "update" in self.kinds:

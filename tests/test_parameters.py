@@ -266,3 +266,25 @@ def test_a_non_finite_gradient_is_found_and_summarised(tmp_path):
     assert load(tmp_path, kind="grad").first_nonfinite() == found
     findings = {f.module: f.kind for f in ps["grad"].summary()}
     assert findings["0.weight"] == "non-finite"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_step_given_a_closure_records_the_gradients_the_closure_computed(backend):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=1)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    seen = []
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        seen.append([p.grad.norm().item() for p in model.parameters()])
+        return loss
+
+    with ParameterStats(model, optimizer, of=("grad",), backend=backend) as ps:
+        for _ in range(2):
+            optimizer.step(closure)
+    assert not ps.extra["grad"]["norm"].isnan().any()  # read after the closure ran
+    torch.testing.assert_close(ps.extra["grad"]["norm"].t(), torch.tensor(seen), rtol=1e-5, atol=0)

@@ -20,7 +20,6 @@ from ..arguments import count_argument
 from .activation_recorder import ActivationFitRecorder, RecordsActivations
 from .parameter_recorder import ParameterFitRecorder, RecordsParameters
 from .recorder import FitRecorder
-from .steps import closure_first
 
 
 class _LightningRecording(pl.Callback):
@@ -150,7 +149,7 @@ class ParameterStatsCallback(RecordsParameters, _LightningRecording):
         self._recorder.begin(
             pl_module,
             optimizer,
-            closure_first(optimizer),  # Lightning steps with a closure that runs backward
+            None,  # Lightning's closure runs inside the step: ParameterStats reads after it
             estimated_steps=trainer.estimated_stepping_batches,
             log_dir=trainer.log_dir,
         )

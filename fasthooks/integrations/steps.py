@@ -1,6 +1,5 @@
 """Stand-ins for an optimizer's `step` while a `ParameterStats` records through torch's step
-hooks: a step given a closure (Lightning's) computes the gradients only after those hooks ran,
-and fastai's own optimizers are not torch ones, so they have no such hooks."""
+hooks: fastai's own optimizers are not torch ones, so they have no such hooks."""
 
 from __future__ import annotations
 
@@ -44,27 +43,6 @@ class StepPatch:
         else:
             self.owner.step = self._shadowed
         self.attached = False
-
-
-def closure_first(optimizer: torch.optim.Optimizer) -> StepPatch:
-    """A patch of `optimizer.step` that runs a closure it is given before the step (and so
-    before the step hooks): torch runs the pre-step hooks first and the closure inside the step,
-    so the hooks would see no gradients of the step. The step's first call of the closure
-    returns that result; a further one (LBFGS) runs the closure again."""
-    stepped = optimizer.step
-
-    def step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        if closure is None:
-            return stepped(**kwargs)
-        with torch.enable_grad():
-            first = [closure()]
-
-        def again() -> Any:
-            return first.pop() if first else closure()
-
-        return stepped(closure=again, **kwargs)
-
-    return StepPatch(optimizer, step)
 
 
 class StepRelay(torch.optim.Optimizer):
