@@ -114,3 +114,42 @@ def test_the_window_benchmark_writes_its_table(tmp_path):
     assert "| window=8, Parquet sink | 194,400 / 194,400 / 194,400 |" in table
     results = json.loads((out / "results.json").read_text())
     assert results["window=None"]["batches"] == 300 and results["sink_bytes"] > 0
+
+
+@FUSED
+def test_the_parameter_monitors_benchmark_writes_its_tables_and_goals(tmp_path):
+    pytest.importorskip("lightning")
+    out = tmp_path / "monitors"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "parameter_monitors.py"),
+            *("--quick", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["quick"] is True and results["parameters"] > 0
+    assert list(results["step_s"]) == [
+        "no monitoring",
+        "ParameterStats fused, every stat + 64-bin hist",
+        "ParameterStats python, every stat + 64-bin hist",
+        "wandb.watch's work (reproduced)",
+        "Composer OptimizerMonitor (reproduced)",
+        "Lightning grad_norm",
+        "torch._foreach_norm, 3 kinds",
+    ]
+    assert all(s > 0 for s in results["step_s"].values())
+    assert set(results["monitor_in_step_s"]) == set(results["step_s"]) - {"no monitoring"}
+    assert all(s > 0 for s in results["monitor_in_step_s"].values())
+    assert len(results["alone_s"]) == 11
+    assert all(s > 0 for s in results["alone_s"].values())
+    table = (out / "results.md").read_text()
+    assert "| variant | ms per step | over no monitoring |" in table
+    assert "| kind | ParameterStats fused ms | _foreach_norm ms | ratio |" in table
+    assert "| monitor, one step's work alone | ms | over ParameterStats fused |" in table
+    assert len(results["goals"]) == 4 and all(" met" in g for g in results["goals"])
