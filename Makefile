@@ -19,6 +19,9 @@ FASTAI_DEPS := fastcore fastdownload fastprogress fasttransform plum-dispatch re
 # Real architectures for the model-zoo test, beside the CUDA build's torch 2.14.1: timm needs
 # torchvision, and PyPI's torchvision does not import beside torch 2.13.0.
 MODEL_ZOO := torchvision==0.29.1 timm==1.0.31 $(TRANSFORMERS)
+# nvdisasm for benchmarks/cuda_roofline.py: the toolkit's (nvcc 13.0) has none, and the oldest
+# CUDA 13 release of the package reads its cubins.
+DISASSEMBLER := nvidia-cuda-nvdisasm==13.2.51
 # Drop pip's notes about unreachable local index folders; keep everything else it says.
 PIP_FILTER := { grep -v "is neither a file nor a directory" || true; }
 CUDA_ARCHS ?= 8.0;9.0
@@ -29,7 +32,7 @@ export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 .PHONY: help setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa \
 	test-cuda-build test-wheel test-sdist wheel sdist docs lint bench bench-train bench-quick \
 	bench-cpu bench-params bench-monitors bench-nonfinite bench-window bench-allreduce bench-abi \
-	clean
+	bench-roofline clean
 
 ## help: this list of targets
 help:
@@ -101,14 +104,14 @@ test-isa: build
 $(CUDA_VENV)/.ready: Makefile
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) numpy pytest pytest-xdist hypothesis ninja \
-		setuptools wheel $(MODEL_ZOO) \
+		setuptools wheel pyarrow $(MODEL_ZOO) $(DISASSEMBLER) \
 		2>&1 | $(PIP_FILTER)
 	touch $@
 
 # No GPU needed: compiles the CUDA kernels against torch's CUDA build, loads them, checks that
 # the operator has a CUDA kernel and that each kernel's registers match the README, then runs the
 # suite on the CPU against that same build (the CUDA device code's own run on the CPU is
-# test-cpu's).
+# test-cpu's), and checks the instructions-per-element table of docs/cuda.md against the SASS.
 ## test-cuda-build: compile the CUDA kernels (no GPU needed), check them, run the suite with them
 test-cuda-build: $(CUDA_VENV)/.ready
 	rm -rf $(CUDA_LIB)
@@ -118,6 +121,8 @@ test-cuda-build: $(CUDA_VENV)/.ready
 	PYTHONPATH=$(CUDA_LIB) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_CUDA_KERNEL=1 \
 		CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} $(CUDA_VENV)/bin/pytest -p no:cacheprovider -n 2 \
 		-m "not cuda_on_cpu and not slow" --ignore=tests/test_model_zoo.py
+	CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} $(CUDA_VENV)/bin/python benchmarks/cuda_roofline.py \
+		--check docs/cuda.md --out build/cuda/roofline > /dev/null
 
 # One abi3 wheel built against the CPU torch, which serves every torch >= 2.10, tagged for
 # manylinux_2_28 as torch's own wheels are, and any older policy its symbols allow (auditwheel
@@ -212,6 +217,11 @@ bench-params: build
 ## bench-monitors: ParameterStats beside wandb, Composer, Lightning on a GPT-2-small model
 bench-monitors: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/parameter_monitors.py --out results/parameter_monitors
+
+## bench-roofline: the CUDA kernels' instructions per element from their SASS (no GPU needed)
+bench-roofline: $(CUDA_VENV)/.ready
+	CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} $(CUDA_VENV)/bin/python benchmarks/cuda_roofline.py \
+		--out results/cuda_roofline
 
 ## bench-allreduce: all_reduce over 2, 4 and 8 gloo processes
 bench-allreduce: build

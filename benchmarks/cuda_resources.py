@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "csrc" / "cuda" / "accumulate_cuda.cu"
@@ -37,13 +38,43 @@ def blocks_by_registers(registers: int) -> int:
     return REGISTERS_PER_SM // (per_warp * (THREADS // 32))
 
 
-def ptxas_report(archs: list[str]) -> str:
-    """nvcc's resource report for every kernel of SOURCE."""
+class Kernel(NamedTuple):
+    """One instantiation of the kernel template, read from its mangled name."""
+
+    dtype: str
+    full: bool  # every statistic, or mean and std only
+    hist: bool
+    diff: bool  # of a difference from a base
+    is_list: bool  # the list kernel (accumulate_stats_list)
+
+    @property
+    def what(self) -> str:
+        what = ("every statistic" if self.full else "mean and std") + (
+            " + histogram" if self.hist else ""
+        )
+        what += " of a difference" if self.diff else ""
+        return what + (", list" if self.is_list else "")
+
+
+def kernel_of(name: str) -> Kernel | None:
+    """The kernel a (mangled) function name is, or None for another function."""
+    match = KERNEL.search(name)
+    if match is None:
+        return None
+    family, dtype, full, hist, diff = match.groups()
+    return Kernel(DTYPES[dtype], full == "1", hist == "1", diff == "1", family == "list")
+
+
+def nvcc_command() -> list[str]:
+    """nvcc with the flags and include paths that compile SOURCE as the extension's build does;
+    the caller adds what to produce and for which architectures."""
     import torch
     from torch.utils import cpp_extension
 
     if torch.version.cuda is None or cpp_extension.CUDA_HOME is None:
-        raise SystemExit("cuda_resources needs a CUDA build of torch and a CUDA toolkit (nvcc)")
+        raise SystemExit(
+            f"{Path(sys.argv[0]).name} needs a CUDA build of torch and a CUDA toolkit (nvcc)"
+        )
     sys.path.insert(0, str(ROOT))
     from fasthooks.torch_support import MIN_TORCH
 
@@ -56,11 +87,16 @@ def ptxas_report(archs: list[str]) -> str:
     except ImportError:
         pass
     nvcc = shutil.which("nvcc") or str(Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc")
+    command = [nvcc, str(SOURCE), "-O3", "-std=c++17", f"-DTORCH_TARGET_VERSION={target:#x}"]
+    return [*command, "-DUSE_CUDA", *includes]
+
+
+def ptxas_report(archs: list[str]) -> str:
+    """nvcc's resource report for every kernel of SOURCE."""
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     with tempfile.TemporaryDirectory() as scratch:
-        command = [nvcc, "-c", str(SOURCE), "-o", f"{scratch}/kernels.o", "-O3", "-std=c++17"]
-        command += [f"-DTORCH_TARGET_VERSION={target:#x}", "-DUSE_CUDA", "-Xptxas", "-v"]
-        done = subprocess.run(command + gencode + includes, capture_output=True, text=True)
+        command = [*nvcc_command(), "-c", "-o", f"{scratch}/kernels.o", "-Xptxas", "-v"]
+        done = subprocess.run(command + gencode, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"nvcc failed:\n{done.stderr[-4000:]}")
     return done.stderr
@@ -73,16 +109,9 @@ def resources(report: str) -> dict[tuple[str, str], dict[str, tuple[int, int]]]:
     spilled = 0
     for line in report.splitlines():
         if entry := ENTRY.search(line):
-            match = KERNEL.search(entry.group(1))
-            kernel, arch, spilled = None, entry.group(2), 0
-            if match:
-                family, dtype, full, hist, diff = match.groups()
-                what = ("every statistic" if full == "1" else "mean and std") + (
-                    " + histogram" if hist == "1" else ""
-                )
-                what += " of a difference" if diff == "1" else ""
-                what += ", list" if family == "list" else ""
-                kernel = (DTYPES[dtype], what)
+            found = kernel_of(entry.group(1))
+            kernel = (found.dtype, found.what) if found else None
+            arch, spilled = entry.group(2), 0
         elif (spills := SPILLS.search(line)) and kernel:
             spilled = int(spills.group(1)) + int(spills.group(2))
         elif (used := USED.search(line)) and kernel:

@@ -43,6 +43,14 @@ def is_partial(t: torch.Tensor) -> bool:
     return any(p.is_partial() for p in t.placements)
 
 
+def reduced(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor with partial values summed over the ranks that hold parts of them (one
+    all-reduce): the gradient of a parameter that sequence parallelism replicates."""
+    from torch.distributed.tensor import Replicate
+
+    return t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+
+
 class Piece:
     """Which ranks hold the same values as this one: those whose coordinates on the mesh's root
     (the whole `DeviceMesh` it was sliced from) equal this rank's on every dimension that does
@@ -97,8 +105,10 @@ class LocalPieces:
     piece is (`Piece`, the first seen) and its placements, and one warning per row for partial
     values.
 
-    What is recorded for a `Partial` placement: the rank's own partial values (a sum over ranks
-    still to be taken), not the values; reducing them would cost a collective on every call.
+    What is recorded for a `Partial` placement: for a module's output, the rank's own partial
+    values (a sum over ranks still to be taken), not the values, since reducing them would cost
+    a collective on every call; for a parameter's gradient (sequence parallelism's norm
+    weights), the reduced values, at one all-reduce of those gradients per recorded step.
     A tensor-parallel module that hands on a plain local tensor (`use_local_output=True`, the
     default of the built-in styles) is seen as a DTensor just before it does (`probe`): its
     output is a replica when the local tensor has the whole shape, else a shard.
@@ -124,6 +134,9 @@ class LocalPieces:
             if row in self._raw and row not in self.pieces:
                 self._seen_local(t, row)
             return t
+        self._raw.pop(row, None)
+        if self.parameters and is_partial(t):
+            t = reduced(t)
         if row not in self.placements:
             self.mesh = t.device_mesh if self.mesh is None else self.mesh
             self.placements[row] = describe_placements(t)

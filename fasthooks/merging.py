@@ -68,16 +68,28 @@ def all_reduce(
     import torch.distributed as dist
 
     groups = merge_groups(group, mesh, mesh_dims)
-    ids, columns = _chosen_columns(store, batches)
+    # A rank's own mistake (a batch it does not hold) is told to the others through the
+    # agreement's digests, so that every rank raises instead of some waiting forever.
+    try:
+        ids, columns = _chosen_columns(store, batches)
+        problem = None
+    except ValueError as error:
+        ids, columns, problem = [], [], str(error)
     me, world = dist.get_rank(), dist.get_world_size()
     device = next(iter(store.buffers.values())).state.device
     merged.holders = {b: merged.holders[b] for b in store.batches.tolist() if b in merged.holders}
     winners = _winners(rows, merged, ids, me, device)
+    spanned = set().union(*(group_ranks(g) for g in groups))
+    replicas = None
     for step, g in enumerate(groups):
-        holders, shared_order = _agree(store, rows, merged, ids, g, device)
+        agreed = _agree(store, rows, merged, ids, g, device, problem)
+        if step == 0:  # before any merge; the tensor-parallel ranks check among themselves
+            replicas = _plain_replicas(store, rows, columns, spanned, not isinstance(agreed, str))
+        if isinstance(agreed, str):
+            problem = agreed
+            continue
+        holders, shared_order = agreed
         chosen = Selection(columns, shared_order, device)
-        if step == 0:  # before any merge, once every rank is known to agree
-            replicas = _plain_replicas(store, rows, chosen)
         contributes = _contributions(rows, merged, ids, group_ranks(g), holders, me, replicas)
         contributes = contributes.to(device)
         winners = _grown(winners, len(rows.names), me)
@@ -85,6 +97,8 @@ def all_reduce(
             winners = _reduce_columns(b, chosen, contributes, winners, g, world)
         _note_holders(merged, ids, me, device, g)
     store.reset_host()
+    if problem is not None:
+        raise ValueError(problem)
     _note_nonfinite_ranks(store, rows, merged, ids, winners)
 
 
@@ -128,26 +142,30 @@ def _agree(
     ids: list[int],
     group: Any,
     device: torch.device,
-) -> tuple[dict[str, list[int]] | None, list[int]]:
-    """Check that every rank of `group` merges the same columns with the same options (a clear
-    error on every rank, never a hang); when their names differ, add a row for each name only
-    others recorded. Returns which ranks hold each name (None: every rank holds every name, in
-    the same order) and the order of this rank's rows that every rank shares.
+    problem: str | None = None,
+) -> tuple[dict[str, list[int]] | None, list[int]] | str:
+    """Check that every rank of `group` merges the same columns with the same options, and has
+    no `problem` of its own; when their names differ, add a row for each name only others
+    recorded. Returns which ranks hold each name (None: every rank holds every name, in the same
+    order) and the order of this rank's rows that every rank shares; or, on every rank when they
+    disagree, the message that says how (never a hang).
 
     One reduction of two digests; only when the names differ, one gather of the names."""
+    described = {**_describe(store, rows, ids), **({"error": problem} if problem else {})}
     pattern = [_class_index(merged, ids)]
-    settings = digest([digest(_describe(store, rows, ids)), digest(torch.tensor(ids)), pattern])
+    settings = digest([digest(described), digest(torch.tensor(ids)), pattern])
     settings_differ, names_differ = differ([settings, digest(rows.names)], device, group)
     if settings_differ:
-        described = gathered(_describe(store, rows, ids), group)
+        every = gathered(described, group)
         by_rank = "; ".join(
-            f"rank {r}: {d}" for r, d in zip(group_ranks(group), described, strict=True)
+            f"rank {r}: {d}" for r, d in zip(group_ranks(group), every, strict=True)
         )
-        raise ValueError(
+        message = (
             "all_reduce: ranks recorded different statistics or merge different batches "
             f"({by_rank}); every rank must record with the same options and merge the same "
             "batches (close the same number of columns, give the same batches=)"
         )
+        return message
     if not names_differ:
         return None, list(range(len(rows.names)))
     every = gathered(list(zip(rows.names, rows.types, strict=True)), group)
@@ -169,17 +187,25 @@ def _class_index(merged: Merged, ids: list[int]) -> list[int]:
     return [seen.setdefault(merged.holders.get(b), len(seen)) for b in ids]
 
 
-def _plain_replicas(store: ColumnStore, rows: Rows, columns: torch.Tensor) -> torch.Tensor | None:
+def _plain_replicas(
+    store: ColumnStore, rows: Rows, columns: list[int], spanned: set[int], ready: bool
+) -> torch.Tensor | None:
     """bool `(rows, columns)`: the plain rows' slots whose merge state is the same on every
-    rank of `rows.replica_mesh` (two reductions the size of the state), or None without one."""
+    rank of `rows.replica_mesh` (two reductions the size of the state), or None without one,
+    when the merge does not span that mesh, or when its ranks are not all `ready` (one small
+    reduction among them says so first)."""
     import torch.distributed as dist
 
-    if rows.replica_mesh is None or rows.replica_mesh.ndim != 1:
+    mesh = rows.replica_mesh
+    if mesh is None or mesh.ndim != 1 or not set(mesh.mesh.reshape(-1).tolist()) <= spanned:
         return None
-    state = columns.take(next(b for b in store.buffers.values()).state, 2)
-    state = state.nan_to_num(nan=float("inf"))
-    low, high = state.clone(), state.clone()
-    group = rows.replica_mesh.get_group()
+    group = mesh.get_group()
+    state = next(b for b in store.buffers.values()).state
+    ready_key = digest([ready, len(columns), list(state.shape[:2])])
+    if differ([ready_key], state.device, group)[0] or not ready:  # every one of them asks
+        return None
+    chosen = Selection(columns, [], state.device).take(state, 2).nan_to_num(nan=float("inf"))
+    low, high = chosen.clone(), chosen.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
     same = (low == high).all(0)

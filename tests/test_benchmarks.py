@@ -152,4 +152,5 @@ def test_the_parameter_monitors_benchmark_writes_its_tables_and_goals(tmp_path):
     assert "| variant | ms per step | over no monitoring |" in table
     assert "| kind | ParameterStats fused ms | _foreach_norm ms | ratio |" in table
     assert "| monitor, one step's work alone | ms | over ParameterStats fused |" in table
-    assert len(results["goals"]) == 4 and all(" met" in g for g in results["goals"])
+    verdicts = [g.rsplit(": ", 1)[-1] for g in results["goals"]]
+    assert len(verdicts) == 4 and set(verdicts) <= {"met", "NOT met"}, results["goals"]

@@ -15,8 +15,13 @@ from test_distributed import _free_port
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 import fasthooks
@@ -133,6 +138,61 @@ def _windowed(rank: int, backend: str) -> dict:
     return {"newest": torch.stack(newest, -1), "stats": act.stats.clone(), "hist": act.hist.clone()}
 
 
+class NormedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up = nn.LayerNorm(8), nn.Linear(8, 16)
+        self.act, self.down, self.norm2 = nn.ReLU(), nn.Linear(16, 8), nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm2(self.down(self.act(self.up(self.norm(x)))))
+
+
+def _sequences() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    return [torch.randn(2, 4, 8, generator=generator, dtype=torch.float64) for _ in range(STEPS)]
+
+
+def _sequence_run(model: nn.Module, batches: list[torch.Tensor], backend: str, merge: bool) -> dict:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    modules = [model.norm, model.up, model.act, model.down, model.norm2]
+    forward = ActivationStats(model, modules=modules, backend=backend, **OPTIONS)
+    backward = ActivationStats(model, modules, backend=backend, is_forward=False, **OPTIONS)
+    ps = ParameterStats(model, optimizer, backend=backend, **OPTIONS)
+    with forward, backward, ps:
+        for x in batches:
+            y = model(x)
+            (y.full_tensor() if isinstance(y, DTensor) else y).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            forward.on_batch_end()
+            backward.on_batch_end()
+    if merge:
+        for recorder in (forward, backward, ps):
+            recorder.all_reduce()
+    return {
+        "forward": {"stats": forward.stats.clone(), "hist": forward.hist.clone()},
+        "backward": {"stats": backward.stats.clone(), "hist": backward.hist.clone()},
+        "ps": _parameter_readings(ps),
+    }
+
+
+def _sequence_parallel(rank: int, backend: str) -> dict:
+    """Sequence parallelism: norms on each rank's half of the sequence (their weights'
+    gradients are partial sums), column- and row-wise layers between."""
+    torch.manual_seed(0)
+    model = NormedMLP().double()
+    plan = {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+        "norm2": SequenceParallel(),
+    }
+    parallelize_module(model, init_device_mesh("cpu", (2,)), plan)
+    halves = [x[:, 2 * rank : 2 * rank + 2] for x in _sequences()]
+    return _sequence_run(model, halves, backend, merge=True)
+
+
 class EmitPartial(nn.Module):
     """Returns its input as a DTensor of partial values: each rank's half of a sum."""
 
@@ -173,6 +233,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             "tp": _tensor_parallel(rank, backend),
             "tp_local": _tensor_parallel(rank, backend, local=True),
             "window": _windowed(rank, backend),
+            "sequence": _sequence_parallel(rank, backend),
             "partial": _partial(rank, backend),
         }
         for backend in BACKEND_NAMES
@@ -311,3 +372,18 @@ def test_a_window_merges_its_newest_column_at_each_step_and_then_all_it_holds(ra
         _same(merged["newest"], whole["stats"])
         _same(merged["stats"], whole["stats"][:, :, -2:])
         assert torch.equal(merged["hist"], whole["hist"][:, -2:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sequence_parallel_merges_into_one_process_with_partial_gradients_reduced(ranks, backend):
+    torch.manual_seed(0)
+    whole = _sequence_run(NormedMLP().double(), _sequences(), backend, merge=False)
+    for rank in ranks:
+        got = rank[backend]["sequence"]
+        for recorder in ("forward", "backward"):
+            _same(got[recorder]["stats"], whole[recorder]["stats"])
+            assert torch.equal(got[recorder]["hist"], whole[recorder]["hist"]), recorder
+        for kind in ("weight", "grad", "update"):
+            for name, values in whole["ps"][kind].items():
+                _same(got["ps"][kind][name], values)
+        _same(got["ps"]["global_norm"], whole["ps"]["global_norm"])

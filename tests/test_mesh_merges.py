@@ -199,7 +199,13 @@ def _two_dimensional(rank: int) -> dict:
     batches = [_dp_share(t, dp, 2) for t in _tokens()]
 
     def merge(recorder, batches=None) -> None:
-        recorder.all_reduce(mesh=mesh, batches=batches)
+        if isinstance(recorder, ParameterStats):  # the dimensions in the other order
+            recorder.all_reduce(mesh=mesh, mesh_dims=("tp", "dp"))
+        elif not recorder.is_forward:  # one dimension, then the other
+            recorder.all_reduce(mesh=mesh, mesh_dims="dp")
+            recorder.all_reduce(mesh=mesh, mesh_dims=1)
+        else:
+            recorder.all_reduce(mesh=mesh, batches=batches)
 
     return _run(model, optimizer, batches, merge)
 
@@ -253,24 +259,35 @@ def _pipeline_stages(rank: int) -> dict:
 _DATA_PARALLEL: list = []  # the process groups of ranks 0 and 2, and of ranks 1 and 3
 
 
-def _disagreeing(rank: int) -> str:
-    """Rank 3 records 13 histogram bins where the others record 12."""
+def _disagreeing(rank: int) -> dict[str, str]:
+    """Rank 3 records 13 histogram bins where the others record 12; then rank 2 asks for a batch
+    it does not hold, on a 2x2 mesh: every rank raises, none waits."""
     model = nn.Sequential(nn.Linear(4, 4))
     act = ActivationStats(model, backend="python", hist_bins=13 if rank == 3 else 12)
+    errors = {}
     with act:
         model(torch.randn(2, 4))
         act.on_batch_end()
-    try:
-        act.all_reduce()
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    for name, call in (
+        ("options", lambda: act.all_reduce()),
+        ("batches", lambda: act.all_reduce(mesh=MESH[0], batches=[7] if rank == 2 else None)),
+    ):
+        try:
+            call()
+            errors[name] = "no error"
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+MESH: list = []  # the worker's 2x2 mesh
 
 
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     _DATA_PARALLEL.extend([dist.new_group([0, 2]), dist.new_group([1, 3])])
+    MESH.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")))
     results = {
         "2d": _two_dimensional(rank),
         "hsdp": _hybrid_sharded(rank),
@@ -353,8 +370,13 @@ def test_pipeline_stages_end_with_every_name_merged_over_the_ranks_holding_it(ra
 
 def test_ranks_that_disagree_all_raise_naming_each_rank(ranks):
     for results in ranks:
-        message = results["disagreeing"]
+        message = results["disagreeing"]["options"]
         assert "ranks recorded different statistics" in message
-        assert (
-            "rank 3: " in message and "'hist_bins': 13" in message and "'hist_bins': 12" in message
-        )
+        assert "rank 3: " in message and "'hist_bins': 13" in message
+        assert "'hist_bins': 12" in message
+
+
+def test_a_batch_one_rank_does_not_hold_fails_on_every_rank_without_a_hang(ranks):
+    for rank, results in enumerate(ranks):
+        message = results["disagreeing"]["batches"]
+        assert "batches: 7 is not a batch held" in message, (rank, message)
