@@ -104,7 +104,7 @@ test-isa: build
 $(CUDA_VENV)/.ready: Makefile
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) numpy pytest pytest-xdist hypothesis ninja \
-		setuptools wheel pyarrow $(MODEL_ZOO) $(DISASSEMBLER) \
+		setuptools wheel pyarrow pandas $(MODEL_ZOO) $(DISASSEMBLER) \
 		2>&1 | $(PIP_FILTER)
 	touch $@
 
