@@ -128,6 +128,12 @@ class ColumnStore:
         describe = {**describe, "kinds": self.kinds}
         self.drain = ColumnDrain(sink, self.window, describe, sent, through, origin)
 
+    def send_closed(self) -> None:
+        """Send every closed column not yet sent, without waiting for the sink: before a merge
+        changes the columns, so that a rank's sink holds what that rank recorded."""
+        if self.drain is not None:
+            self.drain.send(self.sent, self.batch_ids, self.num_batches)
+
     def flush(self) -> None:
         """Send every closed column not yet sent, and wait until the sink has it."""
         if self.drain is not None:

@@ -68,6 +68,7 @@ def all_reduce(
     import torch.distributed as dist
 
     groups = merge_groups(group, mesh, mesh_dims)
+    store.send_closed()
     # A rank's own mistake (a batch it does not hold) is told to the others through the
     # agreement's digests, so that every rank raises instead of some waiting forever.
     try:

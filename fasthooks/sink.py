@@ -103,10 +103,14 @@ class ColumnDrain:
         if closed - self.drained >= self.chunk:
             self._drain(buffers, batch_ids, closed)
 
-    def flush(self, buffers: dict[str, StatBuffers], batch_ids: Any, closed: int) -> None:
-        """Send every closed column not yet sent and wait until the sink has it."""
+    def send(self, buffers: dict[str, StatBuffers], batch_ids: Any, closed: int) -> None:
+        """Send every closed column not yet sent: copied out now, written in the background."""
         if closed > self.drained:
             self._drain(buffers, batch_ids, closed)
+
+    def flush(self, buffers: dict[str, StatBuffers], batch_ids: Any, closed: int) -> None:
+        """Send every closed column not yet sent and wait until the sink has it."""
+        self.send(buffers, batch_ids, closed)
         self.writer.wait()
         self.writer.report()
 

@@ -15,11 +15,13 @@ from test_distributed import _free_port
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 from torch.nn.parallel import DistributedDataParallel
@@ -153,16 +155,21 @@ def _sequences() -> list[torch.Tensor]:
     return [torch.randn(2, 4, 8, generator=generator, dtype=torch.float64) for _ in range(STEPS)]
 
 
-def _sequence_run(model: nn.Module, batches: list[torch.Tensor], backend: str, merge: bool) -> dict:
+def _squared(y: torch.Tensor, step: int) -> torch.Tensor:
+    return (y.full_tensor() if isinstance(y, DTensor) else y).pow(2).mean()
+
+
+def _sequence_run(
+    model: nn.Module, batches: list[torch.Tensor], backend: str, merge: bool, loss=_squared
+) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    modules = [model.norm, model.up, model.act, model.down, model.norm2]
+    modules = [m for name, m in model.named_modules() if name]
     forward = ActivationStats(model, modules=modules, backend=backend, **OPTIONS)
     backward = ActivationStats(model, modules, backend=backend, is_forward=False, **OPTIONS)
     ps = ParameterStats(model, optimizer, backend=backend, **OPTIONS)
     with forward, backward, ps:
-        for x in batches:
-            y = model(x)
-            (y.full_tensor() if isinstance(y, DTensor) else y).pow(2).mean().backward()
+        for step, x in enumerate(batches):
+            loss(model(x), step).backward()
             optimizer.step()
             optimizer.zero_grad()
             forward.on_batch_end()
@@ -191,6 +198,56 @@ def _sequence_parallel(rank: int, backend: str) -> dict:
     parallelize_module(model, init_device_mesh("cpu", (2,)), plan)
     halves = [x[:, 2 * rank : 2 * rank + 2] for x in _sequences()]
     return _sequence_run(model, halves, backend, merge=True)
+
+
+class PreparedHead(nn.Module):
+    """A norm on each rank's half of the sequence, a block whose input and output layouts are
+    prepared for it, and an output layer whose logits stay sharded over the vocabulary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.output = nn.LayerNorm(8), nn.Linear(8, 6)
+        self.block = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.block(self.norm(x)))
+
+
+def _labels() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 6, (2, 4), generator=generator) for _ in range(STEPS)]
+
+
+def _cross_entropy(logits: torch.Tensor, step: int) -> torch.Tensor:
+    labels = _labels()[step].flatten()
+    if not isinstance(logits, DTensor):
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels)
+    with loss_parallel():  # the loss of logits sharded over the vocabulary, backward too
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels)
+        loss.backward()
+    return loss.detach().requires_grad_()  # its gradients are in: a no-op backward
+
+
+def _prepared_loss_parallel(rank: int, backend: str) -> dict:
+    """PrepareModuleInputOutput around a column- and row-wise block, and loss parallelism."""
+    torch.manual_seed(0)
+    model = PreparedHead().double()
+    plan = {
+        "norm": SequenceParallel(),
+        "block": PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Shard(1),),
+            desired_output_layouts=(Replicate(),),
+        ),
+        "block.0": ColwiseParallel(),
+        "block.2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+    parallelize_module(model, init_device_mesh("cpu", (2,)), plan)
+    halves = [x[:, 2 * rank : 2 * rank + 2] for x in _sequences()]
+    return _sequence_run(model, halves, backend, merge=True, loss=_cross_entropy)
 
 
 class EmitPartial(nn.Module):
@@ -234,6 +291,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             "tp_local": _tensor_parallel(rank, backend, local=True),
             "window": _windowed(rank, backend),
             "sequence": _sequence_parallel(rank, backend),
+            "loss_parallel": _prepared_loss_parallel(rank, backend),
             "partial": _partial(rank, backend),
         }
         for backend in BACKEND_NAMES
@@ -380,6 +438,23 @@ def test_sequence_parallel_merges_into_one_process_with_partial_gradients_reduce
     whole = _sequence_run(NormedMLP().double(), _sequences(), backend, merge=False)
     for rank in ranks:
         got = rank[backend]["sequence"]
+        for recorder in ("forward", "backward"):
+            _same(got[recorder]["stats"], whole[recorder]["stats"])
+            assert torch.equal(got[recorder]["hist"], whole[recorder]["hist"]), recorder
+        for kind in ("weight", "grad", "update"):
+            for name, values in whole["ps"][kind].items():
+                _same(got["ps"][kind][name], values)
+        _same(got["ps"]["global_norm"], whole["ps"]["global_norm"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prepared_layouts_and_loss_parallel_merge_into_one_process(ranks, backend):
+    torch.manual_seed(0)
+    whole = _sequence_run(
+        PreparedHead().double(), _sequences(), backend, merge=False, loss=_cross_entropy
+    )
+    for rank in ranks:
+        got = rank[backend]["loss_parallel"]
         for recorder in ("forward", "backward"):
             _same(got[recorder]["stats"], whole[recorder]["stats"])
             assert torch.equal(got[recorder]["hist"], whole[recorder]["hist"]), recorder

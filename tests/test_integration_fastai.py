@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from conftest import (
     assert_same_parameter_recording,
     assert_same_recording,
@@ -13,6 +16,7 @@ from conftest import (
     record_parameter_steps,
     record_steps,
 )
+from test_distributed import _free_port
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -278,3 +282,68 @@ def test_parameter_callback_arguments_are_checked_when_it_is_made():
         ParameterStatsCallback(every=0)
     with pytest.raises(ValueError, match="log_every_n_steps must be an int >= 0"):
         ParameterStatsCallback(log_every_n_steps=-1)
+
+
+# Several processes ------------------------------------------------------------------------------
+
+
+def _broadcast_on_the_cpu(self, indices, rank):
+    """fastai's `DistributedDL._broadcast` sends its batch order as a CUDA tensor (nccl); the
+    same broadcast of a CPU tensor, over gloo."""
+    indices = torch.tensor(indices)
+    torch.distributed.broadcast(indices, rank)
+    return indices.tolist()
+
+
+def _ddp_worker(rank: int, port: int, out: str) -> None:
+    """One of 2 ranks of fastai's own distributed training (`distrib_ctx`, accelerate's DDP) on
+    the CPU, as `accelerate launch` would start it."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    from fastai.distributed import DistributedDL
+
+    DistributedDL._broadcast = _broadcast_on_the_cpu
+    activations = ActivationStatsCallback(
+        extra=("max",), hist_bins=4, hist_range=(-2.0, 2.0), sink=f"{out}/activations{rank}"
+    )
+    parameters = ParameterStatsCallback(hist_bins=4, sink=f"{out}/parameters{rank}")
+    learn = _learner(lr=0.1, cbs=[activations, parameters])
+    with learn.distrib_ctx(cpu=True, sync_bn=False):
+        _fit(learn, epochs=1)
+    assert torch.distributed.get_world_size() == 2  # fastai did train in two processes
+    act, ps = activations.activation_stats, parameters.parameter_stats
+    saved = {"stats": act.stats, "max": act.extra["max"], "hist": act.hist}
+    saved["parameter_stats"] = {"stats": ps.stats, "extra": ps.extra, "hist": ps.hist}
+    torch.save(saved, Path(out) / f"rank{rank}.pt")
+
+
+def test_ddp_ranks_merge_both_recorders_at_the_end_of_the_fit(tmp_path):
+    pytest.importorskip("pyarrow")
+    from fasthooks import load
+
+    mp.spawn(_ddp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    own = [load(tmp_path / f"activations{rank}") for rank in range(2)]
+    loaded = load([tmp_path / "activations0", tmp_path / "activations1"])
+    steps = ROWS // (2 * BATCH)
+    assert not torch.equal(own[0].hist, own[1].hist)  # each sink holds its rank's batches
+    for got in ranks:
+        assert got["stats"].shape[-1] == steps
+        torch.testing.assert_close(got["stats"], loaded.stats, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got["max"], loaded.extra["max"])
+        # Every value of a step's two batches counted once: each rank's own counts, summed.
+        assert torch.equal(got["hist"], own[0].hist + own[1].hist)
+        # DDP's weights, gradients and updates are the same on every rank: counted once, the
+        # merged statistics are those each rank recorded alone.
+        merged = got["parameter_stats"]
+        for kind, stats in merged["stats"].items():
+            alone = load(tmp_path / "parameters0", kind=kind)
+            assert alone.stats.shape[-1] == steps
+            torch.testing.assert_close(stats, alone.stats, equal_nan=True)  # std of 1 value
+            torch.testing.assert_close(merged["extra"][kind]["norm"], alone.extra["norm"])
+            assert torch.equal(merged["hist"][kind], alone.hist)

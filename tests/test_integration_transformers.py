@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from conftest import framework
+from test_distributed import _free_port
 
 from fasthooks import ActivationStats, NonFinite, NonFiniteError
 
@@ -343,3 +349,54 @@ def test_parameter_callback_arguments_are_checked_when_it_is_made():
         ParameterStatsCallback(hist_bins=4, hist_range=(1.0, 0.0))
     with pytest.raises(TypeError, match="model: the callback hooks the model"):
         ParameterStatsCallback(model=torch.nn.Linear(2, 2))
+
+
+# Several processes ------------------------------------------------------------------------------
+
+
+def _ddp_worker(rank: int, port: int, out: str) -> None:
+    """One of 2 DDP ranks of a real Trainer on the CPU (gloo), as `torchrun` would start it."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    activations = ActivationStatsCallback(
+        extra=("max",), hist_bins=4, hist_range=(-3.0, 3.0), sink=f"{out}/activations{rank}"
+    )
+    parameters, trace = ParameterStatsCallback(hist_bins=4), Trace()
+    trainer = _trainer(activations, Path(out) / f"run{rank}", ddp_backend="gloo")
+    trainer.add_callback(parameters)
+    trainer.add_callback(trace)
+    trainer.train()
+    assert dist.get_world_size() == 2  # the Trainer did train in two processes
+    act, ps = activations.activation_stats, parameters.parameter_stats
+    saved = {"stats": act.stats, "max": act.extra["max"], "hist": act.hist}
+    saved["parameter_stats"] = {"stats": ps.stats, "extra": ps.extra, "hist": ps.hist}
+    _assert_traced(ps, trace)  # DDP's gradients are the same on both ranks: counted once
+    torch.save(saved, Path(out) / f"rank{rank}.pt")
+
+
+def test_ddp_ranks_merge_both_recorders_at_the_end_of_training(tmp_path):
+    pytest.importorskip("pyarrow")
+    from fasthooks import load
+
+    mp.spawn(_ddp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    # Each rank's own batches went to its sink: merged at load time, they are the merged run.
+    own = [load(tmp_path / f"activations{rank}") for rank in range(2)]
+    loaded = load([tmp_path / "activations0", tmp_path / "activations1"])
+    steps = ROWS // (2 * BATCH)
+    for got in ranks:
+        assert got["stats"].shape[-1] == steps
+        torch.testing.assert_close(got["stats"], loaded.stats, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got["max"], loaded.extra["max"])
+        # Every value of a step's two batches counted once: each rank's own counts, summed.
+        assert torch.equal(got["hist"], own[0].hist + own[1].hist)
+    assert not torch.equal(own[0].hist, own[1].hist)  # each sink holds its rank's batches
+    first, second = (got["parameter_stats"] for got in ranks)
+    for kind, stats in first["stats"].items():
+        assert torch.equal(stats, second["stats"][kind])
+        assert torch.equal(first["hist"][kind], second["hist"][kind])

@@ -244,9 +244,13 @@ def _pipeline_stages(rank: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
             act.on_batch_end()
-    act.all_reduce()
+    # Within the stage first, over its process group of two: the stage's names, whole batches.
+    act.all_reduce(group=_DATA_PARALLEL[rank % 2])
+    stage = {"names": list(act.module_names), "stats": act.stats.clone(), "hist": act.hist.clone()}
+    act.all_reduce()  # then over every rank: what the pair merged counts once
     ps.all_reduce()
     return {
+        "stage": stage,
         "act": {"names": act.module_names, "stats": act.stats.clone(), "hist": act.hist.clone()},
         "ps": {
             "names": ps.param_names,
@@ -366,6 +370,15 @@ def test_pipeline_stages_end_with_every_name_merged_over_the_ranks_holding_it(ra
             torch.testing.assert_close(got["ps"]["ratio"][row], ps.update_ratio[want])
     own = ranks[0]["pipeline"]["act"]["names"]
     assert own[0] == "embed_tokens" and "lm_head" in own[own.index("layers.0.mlp.act_fn") :]
+    first_stage = [m for m in act.module_names if m == "embed_tokens" or ".0." in f"{m}."]
+    for rank, results in enumerate(ranks):
+        stage = results["pipeline"]["stage"]
+        mine = [m for m in act.module_names if (m in first_stage) == (rank % 2 == 0)]
+        assert stage["names"] == mine, rank  # a group's merge: its ranks' names only
+        for row, name in enumerate(mine):
+            want = act.module_names.index(name)
+            torch.testing.assert_close(stage["stats"][:, row], act.stats[:, want])
+            assert torch.equal(stage["hist"][row], act.hist[want]), name
 
 
 def test_ranks_that_disagree_all_raise_naming_each_rank(ranks):
