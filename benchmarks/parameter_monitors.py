@@ -9,12 +9,13 @@ AdamW (foreach) on random tokens, batch 4. Variants, one training step each, int
 2. `ParameterStats` fused: weights, gradients and updates, every extra and a 64-bin histogram,
    every step;
 3. the same with backend="python";
-4. `wandb.watch(model, log="all", log_freq=1)`'s work, reproduced (wandb is not a dependency):
-   what its torch history's `log_tensor_stats` does to every parameter (in a forward hook on the
-   model) and every gradient (in a hook on each parameter) each step: detach and clone, flatten,
-   move to the CPU, drop non-finite values, `min().item()` and `max().item()`, `histc` with 64
-   bins between them and both turned into lists for `wandb.Histogram`. Sending the histograms to
-   wandb's writer process is left out, so this is a lower bound of what it costs;
+4. `wandb.watch(model, log="all", log_freq=1)` itself, in an offline run (`wandb.init(mode=
+   "offline")`, written under a temporary folder), with the loss logged each step by `wandb.log`
+   as a training loop does: its hooks clone every parameter (in a forward hook on the model) and
+   every gradient (in a hook on each parameter), drop non-finite values, take the extremes with
+   `.item()` and a 64-bin `histc` between them, and the step's `wandb.log` sends the histograms
+   to wandb's writer process. It trains a copy of the model with an AdamW of its own (wandb's
+   hooks stay on the model they watch);
 5. Composer's `OptimizerMonitor` with `DecoupledAdamW`'s per-parameter metrics, reproduced: at the
    end of each batch, per parameter, the update Adam's moments give (bias-corrected, with the
    decoupled weight decay) and the L2 norms of the first moment, the parameter, the second moment
@@ -35,7 +36,8 @@ hooks registered around them). Then the statistics alone, in short rounds that a
 bursts disturb less: per kind, the step hooks of a ParameterStats recording that kind, fused,
 against those of `_foreach_norm` over the same tensors, around an optimizer step that only
 applies a saved AdamW update; and one step's worth of each other monitor's work on the same
-parameters, gradients and AdamW state. Writes results.md and results.json to --out.
+parameters, gradients and AdamW state (wandb's: its own `log_tensor_stats` on every parameter and
+gradient, then the step's `wandb.log`). Writes results.md and results.json to --out.
 
     python benchmarks/parameter_monitors.py [--rounds 5] [--stat-rounds 12] [--calls 2]
         [--quick] [--out DIR]
@@ -44,10 +46,13 @@ parameters, gradients and AdamW state. Writes results.md and results.json to --o
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
+import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -70,7 +75,7 @@ QUICK = {"vocab": 256, "context": 16, "width": 64, "layers": 2, "heads": 2, "bat
 BARE = "no monitoring"
 FUSED = "ParameterStats fused, every stat + 64-bin hist"
 PYTHON = "ParameterStats python, every stat + 64-bin hist"
-WANDB = "wandb.watch's work (reproduced)"
+WANDB = "wandb.watch, offline"
 COMPOSER = "Composer OptimizerMonitor (reproduced)"
 LIGHTNING = "Lightning grad_norm"
 FOREACH = "torch._foreach_norm, 3 kinds"
@@ -144,48 +149,38 @@ class Clock:
 # The monitors -------------------------------------------------------------------------------
 
 
-def wandb_log_tensor_stats(tensor: torch.Tensor, name: str, history: dict) -> None:
-    """What wandb's torch history does with one tensor (`log_tensor_stats`, reproduced)."""
-    tensor = tensor.detach().clone()
-    flat = tensor.reshape(-1)
-    if flat.is_cuda:
-        flat = flat.cpu()
-    if flat.shape == torch.Size([0]) or (~torch.isfinite(flat)).all().item():
-        return
-    if not torch.isfinite(flat).all():
-        flat = flat[torch.isfinite(flat)]
-    tmin, tmax = flat.min().item(), flat.max().item()
-    if tmin > tmax:
-        tmin, tmax = tmax, tmin
-    if tmin == tmax:
-        counts, bins = torch.Tensor([flat.numel()]), torch.Tensor([tmin, tmax])
-    else:
-        counts = flat.histc(bins=HIST_BINS, min=tmin, max=tmax).cpu().detach().clone()
-        bins = torch.linspace(tmin, tmax, steps=HIST_BINS + 1)
-    history[name] = {"_type": "histogram", "values": counts.tolist(), "bins": bins.tolist()}
-
-
 class WandbWatch:
-    """`wandb.watch(model, log="all", log_freq=1)`'s hooks: the parameters in a forward hook on
-    the model, each gradient in a hook on its parameter; active only in its own variant's steps
-    (the model is shared)."""
+    """`wandb.watch(model, log="all", log_freq=1)` on `model`, in an offline run under `folder`;
+    the time in its tensor statistics (`log_tensor_stats`, called by its hooks) and in each
+    step's `wandb.log` goes to `clock`."""
 
-    def __init__(self, model: nn.Module, clock: Clock) -> None:
-        self.model, self.clock, self.active, self.history = model, clock, False, {}
-        model.register_forward_hook(self._parameters)
+    def __init__(self, model: nn.Module, folder: str, clock: Clock) -> None:
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.wandb, self.clock = wandb, clock
+        self.run = wandb.init(mode="offline", dir=folder, project="parameter-monitors")
+        wandb.watch(model, log="all", log_freq=1)
+        history = self.run._torch  # what wandb.watch's hooks call, timed
+        work = history.log_tensor_stats
+        history.log_tensor_stats = lambda tensor, name: clock.time(lambda: work(tensor, name))
+        self.tensor_stats = work
+
+    def commit(self, loss: float) -> None:
+        """The training loop's `wandb.log` of the step, which sends the hooks' histograms."""
+        with self.clock:
+            self.wandb.log({"loss": loss})
+
+    def one_step(self, model: nn.Module) -> None:
+        """A step's worth of its work on `model` as it is: every parameter's and gradient's
+        statistics, then the step's log."""
         for name, p in model.named_parameters():
-            p.register_hook(lambda grad, name=name: self._gradient(grad, name))
+            self.tensor_stats(p.data, f"parameters/{name}")
+            self.tensor_stats(p.grad.data, f"gradients/{name}")
+        self.wandb.log({"loss": 0.0})
 
-    def _parameters(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        if self.active:
-            with self.clock:
-                for name, p in module.named_parameters():
-                    wandb_log_tensor_stats(p.data.cpu(), f"parameters/{name}", self.history)
-
-    def _gradient(self, grad: torch.Tensor, name: str) -> None:
-        if self.active:
-            with self.clock:
-                wandb_log_tensor_stats(grad.data, f"gradients/{name}", self.history)
+    def finish(self) -> None:
+        self.run.finish()
 
 
 def composer_optimizer_monitor(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -276,23 +271,25 @@ class Training:
             optimizer.state = self.state
         return optimizer
 
-    def backward(self) -> None:
+    def backward(self, model: nn.Module | None = None) -> float:
         tokens = self.batches[self.steps % len(self.batches)]
         self.steps += 1
-        logits = self.model(tokens[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        logits = (model or self.model)(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        return loss.detach()
 
-    def step(self, optimizer: torch.optim.Optimizer, before=None, after=None) -> None:
-        self.backward()
+    def step(self, optimizer: torch.optim.Optimizer, before=None, after=None, model=None) -> None:
+        loss = self.backward(model)
         if before is not None:
             before()
         optimizer.step()
         if after is not None:
-            after()
+            after(loss)
         optimizer.zero_grad()
 
 
-def training_variants(run: Training, expected_steps: int) -> tuple[dict, dict]:
+def training_variants(run: Training, expected_steps: int, watch: Callable) -> tuple[dict, dict]:
     """Each variant's training step, and the clocks of those that monitor."""
     steps: dict[str, Callable[[], None]] = {BARE: lambda: run.step(run.optimizer)}
     clocks = {name: Clock() for name in (FUSED, PYTHON, WANDB, COMPOSER, LIGHTNING, FOREACH)}
@@ -303,16 +300,14 @@ def training_variants(run: Training, expected_steps: int) -> tuple[dict, dict]:
         )
         clocks[name].around_step_hooks(optimizer, ps.start)
         steps[name] = lambda o=optimizer: run.step(o)
-    watch = WandbWatch(run.model, clocks[WANDB])
+    watched = copy.deepcopy(run.model)
+    wandb = watch(watched, clocks[WANDB])
+    own = torch.optim.AdamW(watched.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
+    steps[WANDB] = lambda: run.step(
+        own, after=lambda loss: wandb.commit(float(loss)), model=watched
+    )
 
-    def wandb_step() -> None:
-        watch.active = True
-        run.step(run.optimizer)
-        watch.active = False
-
-    steps[WANDB] = wandb_step
-
-    def composer() -> None:
+    def composer(loss: object) -> None:
         with clocks[COMPOSER]:
             composer_optimizer_monitor(run.model, run.optimizer)
 
@@ -343,7 +338,7 @@ class ApplyUpdate(torch.optim.Optimizer):
         self.sign[0] = -self.sign[0]
 
 
-def statistics_variants(run: Training, expected_steps: int) -> tuple[dict, dict]:
+def statistics_variants(run: Training, expected_steps: int, wandb: WandbWatch) -> tuple[dict, dict]:
     """Per kind (and all three), ParameterStats fused and `_foreach_norm` in the step hooks of an
     optimizer that only applies a saved AdamW update; and a step's worth of each other monitor's
     work, called as such. The gradients stay from one backward, the AdamW state from its step."""
@@ -369,15 +364,8 @@ def statistics_variants(run: Training, expected_steps: int) -> tuple[dict, dict]
             clocks[name] = Clock()
             clocks[name].around_step_hooks(optimizer, register)
             steps[name] = optimizer.step
-    history: dict = {}
-
-    def wandb_work() -> None:
-        for name, p in run.model.named_parameters():
-            wandb_log_tensor_stats(p.data.cpu(), f"parameters/{name}", history)
-            wandb_log_tensor_stats(p.grad.data, f"gradients/{name}", history)
-
     for name, work in (
-        (WANDB, wandb_work),
+        (WANDB, lambda: wandb.one_step(run.model)),
         (COMPOSER, lambda: composer_optimizer_monitor(run.model, run.optimizer)),
         (LIGHTNING, lambda: lightning_grad_norm(run.model)),
     ):
@@ -409,14 +397,33 @@ def timed(steps: dict, clocks: dict, rounds: int, calls: int, what: str) -> dict
 # The report ---------------------------------------------------------------------------------
 
 
-def goal_lines(step_s: dict, in_step: dict, alone: dict) -> list[str]:
+def larger_batch(run: Training, batch: int, rounds: int, expected_steps: int) -> dict[str, float]:
+    """The bare step and ParameterStats fused's (its hooks timed) at `batch` sequences a step:
+    the statistics cost the same whatever the batch, the step grows with it."""
+    context = run.batches[0].shape[1]
+    vocab = run.model.tok.weight.shape[0]
+    run.batches = list(torch.randint(0, vocab, (2, batch, context)))
+    optimizer = run.adamw()
+    ps = ParameterStats(
+        run.model, optimizer, backend="fused", expected_steps=expected_steps, **EVERY_STAT
+    )
+    clock = Clock()
+    clock.around_step_hooks(optimizer, ps.start)
+    steps = {BARE: lambda: run.step(run.optimizer), FUSED: lambda: run.step(optimizer)}
+    step_s = timed(steps, {FUSED: clock}, rounds, 1, f"training steps, batch {batch}")
+    return {"bare": step_s[BARE], "fused": step_s[FUSED], "hooks": clock.median}
+
+
+def goal_lines(
+    step_s: dict, in_step: dict, alone: dict, large: dict, batches: tuple[int, int]
+) -> list[str]:
     """The goals, checked on the figures measured alone (in the training steps in brackets)."""
     ratios = {
         k: alone[f"{k}: ParameterStats"] / alone[f"{k}: _foreach_norm"] for k in (*KINDS, ALL)
     }
     fused = alone[f"{ALL}: ParameterStats"]
     wandb, composer = alone[WANDB] / fused, alone[COMPOSER] / fused
-    share = fused / step_s[BARE]
+    share, large_share = fused / step_s[BARE], fused / large["bare"]
 
     def met(ok: bool) -> str:
         return "met" if ok else "NOT met"
@@ -425,14 +432,18 @@ def goal_lines(step_s: dict, in_step: dict, alone: dict) -> list[str]:
     return [
         f"- ParameterStats fused, every statistic of a kind, over `_foreach_norm` of the same "
         f"tensors: {each} (goal <= 1.5x): {met(max(ratios.values()) <= 1.5)}",
-        f"- wandb.watch's work (reproduced) over ParameterStats fused's: {wandb:.1f}x (in the "
+        f"- wandb.watch, offline, over ParameterStats fused: {wandb:.1f}x (in the "
         f"steps {in_step[WANDB] / in_step[FUSED]:.1f}x) (goal >= 10x): {met(wandb >= 10)}",
         f"- Composer OptimizerMonitor's work (reproduced) over ParameterStats fused's: "
         f"{composer:.1f}x (in the steps {in_step[COMPOSER] / in_step[FUSED]:.1f}x) "
         f"(goal >= 3x): {met(composer >= 3)}",
-        f"- ParameterStats fused at every=1: {100 * share:.1f}% of the bare step (its hooks in "
-        f"the steps {100 * in_step[FUSED] / step_s[BARE]:.1f}%, step time "
+        f"- ParameterStats fused at every=1, batch {batches[0]}: {100 * share:.1f}% of the bare "
+        f"step (its hooks in the steps {100 * in_step[FUSED] / step_s[BARE]:.1f}%, step time "
         f"{100 * (step_s[FUSED] / step_s[BARE] - 1):+.1f}%) (goal < 2%): {met(share < 0.02)}",
+        f"- ParameterStats fused at every=1, batch {batches[1]}: {100 * large_share:.1f}% of the "
+        f"bare step (its hooks in the steps {100 * large['hooks'] / large['bare']:.1f}%, step "
+        f"time {100 * (large['fused'] / large['bare'] - 1):+.1f}%) (goal < 2%): "
+        f"{met(large_share < 0.02)}",
     ]
 
 
@@ -463,13 +474,23 @@ def main() -> None:
     )
     print(model, flush=True)
 
-    steps, clocks = training_variants(run, args.rounds * steps_per_round + 2)
-    step_s = timed(steps, clocks, args.rounds, steps_per_round, "training steps")
-    in_step = {name: c.median for name, c in clocks.items()}
+    with tempfile.TemporaryDirectory() as folder:
+        watches: list[WandbWatch] = []
+
+        def watch(model: nn.Module, clock: Clock) -> WandbWatch:
+            watches.append(WandbWatch(model, folder, clock))
+            return watches[-1]
+
+        steps, clocks = training_variants(run, args.rounds * steps_per_round + 2, watch)
+        step_s = timed(steps, clocks, args.rounds, steps_per_round, "training steps")
+        in_step = {name: c.median for name, c in clocks.items()}
+        del steps, clocks
+        steps, clocks = statistics_variants(run, args.stat_rounds * args.calls + 2, watches[0])
+        timed(steps, clocks, args.stat_rounds, args.calls, "statistics alone")
+        alone = {name: c.median for name, c in clocks.items()}
+        watches[0].finish()
     del steps, clocks
-    steps, clocks = statistics_variants(run, args.stat_rounds * args.calls + 2)
-    timed(steps, clocks, args.stat_rounds, args.calls, "statistics alone")
-    alone = {name: c.median for name, c in clocks.items()}
+    large = larger_batch(run, 4 * size["batch"], args.rounds, args.rounds + 2)
 
     base = step_s[BARE]
     step_table = markdown_table(
@@ -498,11 +519,14 @@ def main() -> None:
         ["monitor, one step's work alone", "ms", "over ParameterStats fused"],
         [[name, ms(s), f"{s / fused:.2f}"] for name, s in alone_rows.items()],
     )
-    goals = goal_lines(step_s, in_step, alone)
+    goals = goal_lines(step_s, in_step, alone, large, (size["batch"], 4 * size["batch"]))
     text = (
         f"{machine_line()}\n\n{model}.\n\nTraining steps, {args.rounds} round(s) of "
         f"{steps_per_round} step(s) per variant, medians; monitor ms: the time inside each "
-        f"monitor's own work per step.\n\n{step_table}\n\nThe statistics alone, "
+        f"monitor's own work per step.\n\n{step_table}\n\nAt {4 * size['batch']} sequences a "
+        f"step ({args.rounds} round(s), medians): no monitoring {ms(large['bare'])} ms, "
+        f"ParameterStats fused {ms(large['fused'])} ms, its hooks {ms(large['hooks'])} ms."
+        f"\n\nThe statistics alone, "
         f"{args.stat_rounds} round(s) of {args.calls} call(s), medians: per kind, the step hooks "
         f"of ParameterStats fused (every extra and a {HIST_BINS}-bin histogram) and of "
         f"`_foreach_norm` over the same tensors; then one step's worth of each monitor's work."
@@ -519,6 +543,7 @@ def main() -> None:
             "step_s": step_s,
             "monitor_in_step_s": in_step,
             "alone_s": alone,
+            "larger_batch_s": large,
             "goals": goals,
         }
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
