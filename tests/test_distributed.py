@@ -42,9 +42,9 @@ def _recorded(act: ActivationStats) -> dict[str, torch.Tensor]:
     return {"stats": act.stats.clone(), "hist": act.hist.clone(), **act.extra}
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _data_parallel(rank: int) -> dict:
+    """Each backend's recording of DDP's shards, before and after the merge (DDP, which holds
+    the process group, is gone when this returns: before the group is destroyed)."""
     results = {}
     for backend in BACKEND_NAMES:
         model = _model()
@@ -58,9 +58,17 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         before = act.stats.clone()  # read before merging: the host copy must not go stale
         act.all_reduce()
         results[backend] = {"before": before, **_recorded(act)}
+    return results
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = _data_parallel(rank)
     results["nonfinite"] = _locate_nonfinite(rank)
     results["fsdp"] = _record_fully_sharded(rank)
     results["fsdp1"] = _record_flat_parameters(rank)
+    model = _model()
     act = ActivationStats(model, backend="python")
     with act:
         for _ in range(rank + 1):  # rank 1 closes one batch more than rank 0
