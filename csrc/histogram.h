@@ -42,9 +42,10 @@ C10_HOST_DEVICE inline bool bins_resolvable(int64_t bins, double lo, double hi) 
 template <typename Acc>
 struct BinTable {
   const Acc* lower;
-  Acc top;    // the top edge rounded down
-  Acc lo;     // for the first guess of the bin
-  Acc scale;  // bins / (hi - lo)
+  Acc bottom;  // lower[0], kept beside the table: every value is compared with it
+  Acc top;     // the top edge rounded down
+  Acc lo;      // for the first guess of the bin
+  Acc scale;   // bins / (hi - lo)
   int64_t bins;
 };
 
@@ -57,24 +58,29 @@ C10_HOST_DEVICE inline Acc lower_edge(int64_t k, int64_t bins, double lo, double
 template <typename Acc>
 C10_HOST_DEVICE inline BinTable<Acc> bin_table(const Acc* lower, int64_t bins, double lo,
                                                double hi) {
-  return {lower, round_down<Acc>(hi), static_cast<Acc>(lo), static_cast<Acc>(bins / (hi - lo)),
+  return {lower,
+          lower_edge<Acc>(0, bins, lo, hi),
+          round_down<Acc>(hi),
+          static_cast<Acc>(lo),
+          static_cast<Acc>(bins / (hi - lo)),
           bins};
 }
 
 // The bin of v, or `bins` for a value that belongs to no bin. The first guess is within one bin
 // of the right one (bins_resolvable); comparing with the exact edges settles it. No branch
-// depends on where v falls.
+// depends on where v falls. In int32: bins are at most a few thousand (fasthooks/layout.py).
 template <typename Acc>
-C10_HOST_DEVICE inline int64_t bin_of(Acc v, const BinTable<Acc>& t) {
+C10_HOST_DEVICE inline int32_t bin_of(Acc v, const BinTable<Acc>& t) {
   Acc guess = (v - t.lo) * t.scale;
   guess = guess > Acc(0) ? guess : Acc(0);  // NaN becomes 0 here
-  const Acc last = static_cast<Acc>(t.bins - 1);
+  const auto bins = static_cast<int32_t>(t.bins);
+  const auto last = static_cast<Acc>(bins - 1);
   guess = guess < last ? guess : last;
-  int64_t pos = static_cast<int64_t>(guess);
+  auto pos = static_cast<int32_t>(guess);
   pos -= v < t.lower[pos];  // -1 only for a value below the range
   pos += v >= t.lower[pos + 1];
-  const int64_t keep = -static_cast<int64_t>((v >= t.lower[0]) & (v <= t.top));
-  return (pos & keep) | (t.bins & ~keep);
+  const int32_t keep = -static_cast<int32_t>((v >= t.bottom) & (v <= t.top));
+  return (pos & keep) | (bins & ~keep);
 }
 
 }  // namespace fasthooks

@@ -42,7 +42,7 @@ constexpr int64_t kPartials = kFullPlanes;
 // Shared memory is sized for the most bins fasthooks/layout.py allows.
 constexpr int64_t kMaxBins = 2048;
 // Loads of a thread summed around one shift before they merge into its moments in double.
-constexpr int kSegmentLoads = 16;
+constexpr int kSegmentLoads = 64;
 
 // Tensors one launch of the list kernel takes: their table (TensorTable) fits the 4 KB of kernel
 // arguments.
@@ -227,28 +227,67 @@ __device__ void block_reduce(Stats& s) {
   }
 }
 
-// Extremes and counts of a thread's values; NaN is flagged rather than compared.
+// Extremes and counts of a thread's values; the extremes become NaN once a value is. A
+// thread's counts fit 32 bits: its grid-stride share of even 2^40 values is far below 2^32.
 template <typename Acc>
 struct Extremes {
   Acc min = static_cast<Acc>(INFINITY);
   Acc max = static_cast<Acc>(-INFINITY);
-  bool nan = false;
-  int64_t near_zero = 0;
-  int64_t nonfinite = 0;
+  unsigned int near_zero = 0;
+  unsigned int nonfinite = 0;
 };
+
+// The minimum and maximum of a and b, NaN when either is: one instruction each from sm_80 on.
+__device__ inline float min_or_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a != a || b != b ? a + b : fmin(a, b);
+#endif
+}
+__device__ inline float max_or_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a != a || b != b ? a + b : fmax(a, b);
+#endif
+}
+__device__ inline double min_or_nan(double a, double b) {
+  return a != a || b != b ? a + b : fmin(a, b);
+}
+__device__ inline double max_or_nan(double a, double b) {
+  return a != a || b != b ? a + b : fmax(a, b);
+}
+
+// The largest finite Acc: a value is finite exactly when its magnitude is at most this.
+template <typename Acc>
+constexpr Acc kLargest = static_cast<Acc>(3.4028234663852886e38);
+template <>
+constexpr double kLargest<double> = 1.7976931348623157e308;
 
 template <typename Acc>
 __device__ Acc finite_or_zero(Acc v) {
   return v - v == Acc(0) ? v : Acc(0);  // an infinite or NaN shift would poison every value
 }
 
-// Counts v's bin in the block's shared histogram: lanes that share a bin add once, together.
+// The block's histogram in shared memory, as one thread adds to it.
+struct BlockHistogram {
+  unsigned int* counts;
+  unsigned int below;  // the lanes of this thread's warp below it
+};
+
+// Counts v's bin in the block's histogram: lanes that share a bin add once, together, by the
+// lowest of them.
 template <typename Acc>
-__device__ void count_bin(Acc v, const BinTable<Acc>& table, unsigned int* hist) {
-  const int64_t bin = bin_of(v, table);
-  const unsigned int peers = __match_any_sync(__activemask(), static_cast<int>(bin));
-  if ((threadIdx.x % 32) == __ffs(peers) - 1 && bin < table.bins) {
-    atomicAdd(hist + bin, static_cast<unsigned int>(__popc(peers)));
+__device__ void count_bin(Acc v, const BinTable<Acc>& table, const BlockHistogram& hist) {
+  const int32_t bin = bin_of(v, table);
+  const unsigned int peers = __match_any_sync(__activemask(), bin);
+  if ((peers & hist.below) == 0 && bin < static_cast<int32_t>(table.bins)) {
+    atomicAdd(hist.counts + bin, static_cast<unsigned int>(__popc(peers)));
   }
 }
 
@@ -314,57 +353,63 @@ __device__ Stats segment_in_double(const Reader<T, Width, Diff>& r, int64_t begi
   return s;
 }
 
-// Working-precision power sums of one segment around its shift.
-struct SegmentSums {
-  double s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0, count = 0.0;
+// Power sums around a segment's shift: of a group of loads in working precision, of the
+// segment in double.
+template <typename Acc>
+struct PowerSums {
+  Acc s1 = 0, s2 = 0, s3 = 0, s4 = 0;
+
+  template <typename Other>
+  __device__ void add(const PowerSums<Other>& o) {
+    s1 += o.s1;
+    s2 += o.s2;
+    s3 += o.s3;
+    s4 += o.s4;
+  }
 };
 
-// Adds one load's values to the segment's sums, extremes, counts and histogram.
+// Adds one load's values to a group's sums, extremes, counts and histogram.
 template <typename Acc, bool Full, bool Hist, bool Diff, typename T, int Width>
 __device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, Acc shift, Acc near_zero,
-                         const BinTable<Acc>& table, unsigned int* hist, SegmentSums& sums,
+                         const BinTable<Acc>& table, const BlockHistogram& hist, PowerSums<Acc>& a,
                          Extremes<Acc>& e) {
-  Acc a1 = 0, a2 = 0, a3 = 0, a4 = 0;
 #pragma unroll
   for (int k = 0; k < Width; ++k) {
     const Acc value = value_of<Acc, Diff>(v, b, k);
     const Acc d = value - shift;
     const Acc d2 = d * d;
-    a1 += d;
-    a2 += d2;
+    a.s1 += d;
+    a.s2 += d2;
     if constexpr (Full) {
-      a3 += d2 * d;
-      a4 += d2 * d2;
-      e.min = fmin(e.min, value);  // NaN is ignored here and flagged instead
-      e.max = fmax(e.max, value);
-      e.nan |= value != value;
-      e.near_zero += value <= near_zero;
-      e.nonfinite += !(value - value == Acc(0));
+      a.s3 += d2 * d;
+      a.s4 += d2 * d2;
+      e.min = min_or_nan(e.min, value);
+      e.max = max_or_nan(e.max, value);
+      // Predicated increments (one instruction each), not a select and an add.
+      if (value <= near_zero) ++e.near_zero;
+      if (!(fabs(value) <= kLargest<Acc>)) ++e.nonfinite;  // infinite or NaN
     }
     if constexpr (Hist) count_bin(value, table, hist);
   }
-  sums.s1 += a1;
-  sums.s2 += a2;
-  sums.s3 += a3;
-  sums.s4 += a4;
-  sums.count += Width;
 }
 
 // A thread's share of `loads` loads of Width values: loads first, first + step, ... Each segment
 // of kSegmentLoads is summed in working precision around the thread's running mean (at first,
-// the mean of its first load), kLoadsInFlight loads at a time, and merged into `moments` in
-// double, so no choice of first values spoils the rest; extremes, counts and the histogram are
-// taken on the way.
+// the mean of its first load), kLoadsInFlight loads at a time (each group's sums in working
+// precision, added to the segment's in double), and merged into `moments` in double, so no
+// choice of first values spoils the rest; extremes, counts and the histogram are taken on the
+// way.
 template <typename Acc, bool Full, bool Hist, typename T, int Width, bool Diff>
 __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int64_t first,
                             int64_t step, Acc near_zero, const BinTable<Acc>& table,
-                            unsigned int* hist, Stats& moments, Extremes<Acc>& e) {
+                            const BlockHistogram& hist, Stats& moments, Extremes<Acc>& e) {
   for (int64_t begin = first; begin < loads; begin += kSegmentLoads * step) {
     const Acc shift = moments.count > 0.0 ? finite_or_zero(static_cast<Acc>(moments.mean))
                                           : load_mean<Acc>(r, begin);
     const int64_t rest = (loads - begin + step - 1) / step;
-    const int64_t end = begin + (rest < kSegmentLoads ? rest : kSegmentLoads) * step;
-    SegmentSums sums;
+    const int64_t segment_loads = rest < kSegmentLoads ? rest : kSegmentLoads;
+    const int64_t end = begin + segment_loads * step;
+    PowerSums<double> sums;
     for (int64_t i = begin; i < end; i += kLoadsInFlight * step) {
       Load<T, Width> v[kLoadsInFlight];
       Load<T, Width> b[kLoadsInFlight];
@@ -375,21 +420,24 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
           b[u] = r.base_at(i + u * step);
         }
       }
+      PowerSums<Acc> group;
 #pragma unroll
       for (int u = 0; u < kLoadsInFlight; ++u) {
         if (i + u * step < end) {
-          add_load<Acc, Full, Hist, Diff>(v[u], b[u], shift, near_zero, table, hist, sums, e);
+          add_load<Acc, Full, Hist, Diff>(v[u], b[u], shift, near_zero, table, hist, group, e);
         }
       }
+      sums.add(group);
     }
+    const auto count = static_cast<double>(segment_loads * Width);
     Stats segment;
-    moments_from_shifted_sums<Full>(segment, sums.count, shift, sums.s1, sums.s2, sums.s3, sums.s4);
+    moments_from_shifted_sums<Full>(segment, count, shift, sums.s1, sums.s2, sums.s3, sums.s4);
     // The rounding error of the float sums grows with (mean - shift)^2 / variance: beyond two
     // standard deviations it could exceed 1e-7 of m2 (or more of m4).
-    const double d = sums.s1 / sums.count;
-    const bool far = sums.count * d * d > 4.0 * segment.m2 && isfinite(segment.mean);
+    const double d = sums.s1 / count;
+    const bool far = count * d * d > 4.0 * segment.m2 && isfinite(segment.mean);
     if (far || !isfinite(sums.s1 + sums.s2 + sums.s3 + sums.s4) ||
-        spread_underflows<Acc, Full>(segment, sums.count)) {
+        spread_underflows<Acc, Full>(segment, count)) {
       segment = segment_in_double<Acc, Full>(r, begin, end, step);
     }
     moments = merge<Full>(moments, segment);
@@ -433,10 +481,11 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
                                    reinterpret_cast<const Vector*>(at(head))};
   const Reader<T, 1, Diff> tail_part{reinterpret_cast<const Scalar*>(tail),
                                      reinterpret_cast<const Scalar*>(at(tail - x))};
-  thread_pass<Acc, Full, Hist>(head_part, head, tid, step, near_zero, table, hist, moments, e);
-  thread_pass<Acc, Full, Hist>(body, vectors, tid, step, near_zero, table, hist, moments, e);
-  thread_pass<Acc, Full, Hist>(tail_part, x + n - tail, tid, step, near_zero, table, hist, moments,
-                               e);
+  const BlockHistogram histogram{hist, (1u << (threadIdx.x % 32)) - 1u};
+  thread_pass<Acc, Full, Hist>(head_part, head, tid, step, near_zero, table, histogram, moments, e);
+  thread_pass<Acc, Full, Hist>(body, vectors, tid, step, near_zero, table, histogram, moments, e);
+  thread_pass<Acc, Full, Hist>(tail_part, x + n - tail, tid, step, near_zero, table, histogram,
+                               moments, e);
 
   const int64_t cell = b.slot * b.capacity + column;
   if constexpr (Hist) {
@@ -451,8 +500,8 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
   }
 
   if constexpr (Full) {
-    moments.min = e.nan ? NAN : static_cast<double>(e.min);
-    moments.max = e.nan ? NAN : static_cast<double>(e.max);
+    moments.min = static_cast<double>(e.min);
+    moments.max = static_cast<double>(e.max);
     moments.near_zero = static_cast<double>(e.near_zero);
     moments.nonfinite = static_cast<double>(e.nonfinite);
   }
