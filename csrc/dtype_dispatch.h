@@ -47,4 +47,11 @@ inline int dtype_position(ScalarType dtype) {
   }
 }
 
+// The dtype at a position: dtype_position's inverse.
+inline ScalarType dtype_at(int position) {
+  constexpr ScalarType kAt[kDtypes] = {ScalarType::Float, ScalarType::Double, ScalarType::Half,
+                                       ScalarType::BFloat16};
+  return kAt[position];
+}
+
 }  // namespace fasthooks

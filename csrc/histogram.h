@@ -3,10 +3,7 @@
 // fasthooks/moments.py follows the same definition.
 #pragma once
 
-#include <torch/headeronly/macros/Macros.h>
-
-#include <cmath>
-#include <cstdint>
+#include "device_base.h"
 
 namespace fasthooks {
 

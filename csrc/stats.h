@@ -2,11 +2,7 @@
 // Shared by the CPU and CUDA kernels; the plane order mirrors fasthooks/layout.py.
 #pragma once
 
-#include <torch/headeronly/macros/Macros.h>
-
-#include <cmath>
-#include <cstdint>
-#include <limits>
+#include "device_base.h"
 
 namespace fasthooks {
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import cuda_setup
 from .layout import TENSOR_ARGUMENTS, AccumulateArgs
 from .moments import accumulate_stats_list_python, accumulate_stats_python
 from .torch_support import MIN_TORCH, MIN_TORCH_TEXT, torch_version
@@ -151,6 +152,18 @@ def _warn_broken_extension() -> None:
 _warned_no_device_kernel: set[str] = set()
 
 
+_cuda_setup: cuda_setup.CudaSetup | None = None
+
+
+def cuda_status() -> cuda_setup.CudaSetup:
+    """What the CUDA kernels found (NVRTC, the driver, the cache), set up on first use."""
+    global _cuda_setup
+    _require_extension()
+    if _cuda_setup is None:
+        _cuda_setup = cuda_setup.configure()
+    return _cuda_setup
+
+
 def has_kernel_for(device_type: str) -> bool:
     """Whether the loaded extension registered `accumulate_stats` for a device type ("cuda")."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(
@@ -167,13 +180,14 @@ def backend_for_device(backend: str, requested: str, device: torch.device) -> st
         >>> backend_for_device("fused", "auto", torch.device("cpu"))
         'fused'
     """
-    if backend != "fused" or device.type in ("cpu", "meta") or has_kernel_for(device.type):
+    if backend != "fused" or device.type in ("cpu", "meta"):
         return backend
-    why = (
-        f"this build of fasthooks._C has no {device.type} kernel (it was built without them: "
-        f"a wheel built against a CPU torch, say); to have them, build it from source with a "
-        f"{device.type} build of torch (`pip install --no-build-isolation .`)"
-    )
+    if not has_kernel_for(device.type):
+        why = f"fasthooks._C has no {device.type} kernel"
+    elif device.type == "cuda" and cuda_status().unavailable:
+        why = f"its CUDA kernels cannot run here: {cuda_status().unavailable}"
+    else:
+        return backend
     if requested == "fused":
         raise RuntimeError(f"backend='fused' on {device}: {why}, or use backend='python'")
     if device.type not in _warned_no_device_kernel:
@@ -210,3 +224,9 @@ def resolve_backend(backend: str) -> tuple[str, Accumulate]:
     _require_extension()
     # The operator itself, not a Python wrapper around it: one call less on every hook.
     return "fused", torch.ops.fasthooks.accumulate_stats.default
+
+
+# A CUDA torch's users get the CUDA kernels set up at import, so that calling the operator
+# directly works too.
+if _LOAD_ERROR is None and torch.version.cuda:
+    cuda_status()

@@ -1,9 +1,9 @@
 // The host side of fasthooks::accumulate_stats and accumulate_stats_list on CUDA: checks, the
 // dense-or-copy choice, grouping a list by dtype, the workspace region of a call and the launch
 // plans, over a Device that supplies what needs a GPU (the current stream, where a call comes
-// from, the resident blocks of a kernel, a launch and a device guard). accumulate_cuda.cu gives it
-// the CUDA runtime; the CUDA-on-CPU harness (tests/cuda_on_cpu/) an emulation, so the harness runs
-// this same plan.
+// from, the resident blocks of a kernel, a launch and a device guard). accumulate_cuda.cpp gives
+// it the CUDA driver and the kernels NVRTC compiled; the CUDA-on-CPU harness (tests/cuda_on_cpu/)
+// an emulation, so the harness runs this same plan.
 #pragma once
 
 #include <torch/csrc/stable/tensor.h>
@@ -13,7 +13,7 @@
 
 #include "../checks.h"
 #include "../dtype_dispatch.h"
-#include "accumulate_kernel.cuh"
+#include "launch_plan.h"
 #include "stream_regions.h"
 
 namespace fasthooks {
@@ -30,12 +30,10 @@ struct OperatorHost {
     const T* p = static_cast<const T*>(x.const_data_ptr());
     const T* b = base != nullptr ? static_cast<const T*>(base->const_data_ptr()) : nullptr;
     const int64_t n = x.numel();
-    with_kernel<T>(full, buffers.bins > 0, b != nullptr, [&](auto kernel_of, size_t shared) {
-      constexpr auto kernel = decltype(kernel_of)::kernel;
-      const int64_t resident = Device::template resident_blocks<kernel>(shared, device);
-      const LaunchPlan plan = plan_launch(p, b, n, resident);
-      Device::launch(kernel, plan.blocks, shared, stream, p, b, n, plan.head, buffers);
-    });
+    const KernelVariant kernel =
+        variant_of(dtype_position(dtype_of(x)), false, full, buffers.bins > 0, b != nullptr);
+    const LaunchPlan plan = plan_launch(p, b, n, Device::resident_blocks(kernel, device));
+    Device::launch(kernel, plan.blocks, stream, device, p, b, n, plan.head, buffers);
   }
 
   // Tensors of one dtype, read in place or as copies, and their slots.
@@ -59,15 +57,14 @@ struct OperatorHost {
       n.push_back(group.x[i].numel());
     }
     const bool diff = !group.base.empty();
-    with_kernel<T, true>(full, buffers.bins > 0, diff, [&](auto kernel_of, size_t shared) {
-      constexpr auto kernel = decltype(kernel_of)::kernel;
-      const int64_t resident = Device::template resident_blocks<kernel>(shared, device);
-      for_each_table(x.data(), diff ? base.data() : nullptr, n.data(), group.slot.data(),
-                     static_cast<int64_t>(x.size()), resident, [&](const TensorTable& table) {
-                       Device::launch(kernel, table.first_block[table.count], shared, stream, table,
-                                      buffers);
-                     });
-    });
+    const KernelVariant kernel =
+        variant_of(dtype_position(dtype_of(group.x[0])), true, full, buffers.bins > 0, diff);
+    const int64_t resident = Device::resident_blocks(kernel, device);
+    for_each_table(x.data(), diff ? base.data() : nullptr, n.data(), group.slot.data(),
+                   static_cast<int64_t>(x.size()), resident, [&](const TensorTable& table) {
+                     Device::launch(kernel, table.first_block[table.count], stream, device, table,
+                                    buffers);
+                   });
   }
 
   // The stream, workspace region and bins of a call, after the checks beyond

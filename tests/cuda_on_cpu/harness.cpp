@@ -13,7 +13,10 @@
 #include <atomic>
 #include <cstdio>
 #include <exception>
+#include <tuple>
+#include <type_traits>
 
+#include "cuda/accumulate_kernel.cuh"
 #include "cuda/operator_host.h"
 #include "schemas.h"
 
@@ -36,15 +39,52 @@ struct Emulated {
   static Stream current_stream(int) { return current_stream_number; }
   static CallOrigin origin_of(Stream stream) { return {static_cast<uintptr_t>(stream), false}; }
 
-  template <auto Kernel>
-  static int64_t resident_blocks(size_t, int) {
+  static int64_t resident_blocks(const KernelVariant&, int) {
     const int64_t resident = resident_override.load();
     return resident > 0 ? resident : kMultiprocessors * kMinBlocksPerSM;
   }
 
-  template <typename Kernel, typename... Args>
-  static void launch(Kernel kernel, int64_t blocks, size_t shared, Stream, Args... args) {
-    cuda_on_cpu::launch(kernel, static_cast<unsigned>(blocks), kThreads, shared, args...);
+  template <typename... Args>
+  static void launch(const KernelVariant& v, int64_t blocks, Stream, int, Args... args) {
+    with_kernel<Args...>(v, [&](auto kernel) {
+      cuda_on_cpu::launch(kernel, static_cast<unsigned>(blocks), kThreads, shared_bytes(v),
+                          args...);
+    });
+  }
+
+ private:
+  // f(the instantiation `v` names): the list kernel when launched with a table (for v's dtype),
+  // else the one-tensor kernel for the values' type, as kernel_names.h names them for NVRTC.
+  template <typename... Args, typename F>
+  static void with_kernel(const KernelVariant& v, F&& f) {
+    if constexpr (sizeof...(Args) == 2) {
+      fasthooks::dispatch_dtype(fasthooks::dtype_at(v.dtype), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        with_flags(v, [&](auto full, auto hist, auto diff) {
+          f(accumulate_list_kernel<T, typename Accumulator<T>::type, decltype(full)::value,
+                                   decltype(hist)::value, decltype(diff)::value>);
+        });
+      });
+    } else {
+      using T =
+          std::remove_cv_t<std::remove_pointer_t<std::tuple_element_t<0, std::tuple<Args...>>>>;
+      with_flags(v, [&](auto full, auto hist, auto diff) {
+        f(accumulate_stats_kernel<T, typename Accumulator<T>::type, decltype(full)::value,
+                                  decltype(hist)::value, decltype(diff)::value>);
+      });
+    }
+  }
+
+  template <typename F>
+  static void with_flags(const KernelVariant& v, F&& f) {
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (v.diff && v.hist) return f(Yes{}, Yes{}, Yes{});
+    if (v.diff) return f(Yes{}, No{}, Yes{});
+    if (v.full && v.hist) return f(Yes{}, Yes{}, No{});
+    if (v.full) return f(Yes{}, No{}, No{});
+    if (v.hist) return f(No{}, Yes{}, No{});
+    f(No{}, No{}, No{});
   }
 };
 

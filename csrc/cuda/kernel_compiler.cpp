@@ -1,0 +1,213 @@
+#include "kernel_compiler.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "../checks.h"
+#include "fasthooks_kernel_source.h"
+#include "kernel_names.h"
+
+namespace fasthooks {
+namespace cuda {
+namespace {
+
+void check_nvrtc(const CudaApi& api, nvrtcResult status, const char* what) {
+  FASTHOOKS_CHECK(status == 0, "fasthooks' CUDA kernels: NVRTC failed ", what, ": ",
+                  api.nvrtcGetErrorString(status));
+}
+
+std::vector<int> supported_archs(const CudaApi& api) {
+  int count = 0;
+  check_nvrtc(api, api.nvrtcGetNumSupportedArchs(&count), "listing its architectures");
+  std::vector<int> archs(static_cast<size_t>(count));
+  check_nvrtc(api, api.nvrtcGetSupportedArchs(archs.data()), "listing its architectures");
+  return archs;
+}
+
+// FNV-1a, 64 bits: names a cache file by everything that makes its contents.
+uint64_t fingerprint(const std::vector<std::string>& parts) {
+  uint64_t h = 14695981039346656037ull;
+  for (const std::string& part : parts) {
+    for (const char c : part) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    h = (h ^ 0xffu) * 1099511628211ull;
+  }
+  return h;
+}
+
+// Makes `dir` and its parents; false if it cannot.
+bool make_directories(const std::string& dir) {
+  for (size_t at = 1; at <= dir.size(); ++at) {
+    if (at < dir.size() && dir[at] != '/') continue;
+    const std::string part = dir.substr(0, at);
+    if (mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) return false;
+  }
+  return true;
+}
+
+bool read_file(const std::string& path, std::string& out) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  out.clear();
+  char chunk[1 << 16];
+  ssize_t got = 0;
+  while ((got = read(fd, chunk, sizeof(chunk))) > 0) out.append(chunk, static_cast<size_t>(got));
+  close(fd);
+  return got == 0;
+}
+
+// Writes `data` to a file of its own and renames it to `path`: a reader sees all of it or none.
+bool write_atomically(const std::string& path, const std::string& data) {
+  const std::string temporary = path + ".tmp." + std::to_string(getpid());
+  const int fd = open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return false;
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t wrote = write(fd, data.data() + done, data.size() - done);
+    if (wrote <= 0) break;
+    done += static_cast<size_t>(wrote);
+  }
+  const bool ok = close(fd) == 0 && done == data.size();
+  if (ok && rename(temporary.c_str(), path.c_str()) == 0) return true;
+  unlink(temporary.c_str());
+  return false;
+}
+
+// An exclusive lock on `path` while it lives (none if the file cannot be made).
+class FileLock {
+ public:
+  explicit FileLock(const std::string& path)
+      : fd_(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) {
+    if (fd_ >= 0) flock(fd_, LOCK_EX);
+  }
+  ~FileLock() {
+    if (fd_ >= 0) close(fd_);
+  }
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+
+ private:
+  int fd_;
+};
+
+// A cache file holds the lowered name, a newline, then the image.
+bool parse(const std::string& contents, KernelImage& out) {
+  const size_t end = contents.find('\n');
+  if (end == std::string::npos || end == 0) return false;
+  out.lowered_name = contents.substr(0, end);
+  out.image = contents.substr(end + 1);
+  return !out.image.empty();
+}
+
+KernelImage compile(const CudaApi& api, const KernelVariant& v, const std::string& target) {
+  nvrtcProgram program = nullptr;
+  check_nvrtc(api,
+              api.nvrtcCreateProgram(&program, kKernelSource, "fasthooks_kernels.cu", 0, nullptr,
+                                     nullptr),
+              "creating the program");
+  struct Destroy {
+    const CudaApi& api;
+    nvrtcProgram& program;
+    ~Destroy() { api.nvrtcDestroyProgram(&program); }
+  } destroy{api, program};
+  const std::string expression = name_expression(v);
+  check_nvrtc(api, api.nvrtcAddNameExpression(program, expression.c_str()), "naming the kernel");
+  const std::string arch = "--gpu-architecture=" + target;
+  const char* options[] = {arch.c_str(), "-std=c++17"};
+  const nvrtcResult status = api.nvrtcCompileProgram(program, 2, options);
+  if (status != 0) {
+    size_t size = 0;
+    api.nvrtcGetProgramLogSize(program, &size);
+    std::string log(size, '\0');
+    api.nvrtcGetProgramLog(program, log.data());
+    fail("fasthooks' CUDA kernels: NVRTC could not compile ", variant_label(v), " for ", target,
+         ": ", api.nvrtcGetErrorString(status), "\n", log);
+  }
+  KernelImage out;
+  const char* lowered = nullptr;
+  check_nvrtc(api, api.nvrtcGetLoweredName(program, expression.c_str(), &lowered),
+              "naming the compiled kernel");
+  out.lowered_name = lowered;
+  const bool ptx = target.rfind("compute_", 0) == 0;
+  size_t size = 0;
+  check_nvrtc(api, ptx ? api.nvrtcGetPTXSize(program, &size) : api.nvrtcGetCUBINSize(program, &size),
+              "sizing the image");
+  out.image.resize(size);
+  check_nvrtc(api, ptx ? api.nvrtcGetPTX(program, out.image.data())
+                       : api.nvrtcGetCUBIN(program, out.image.data()),
+              "reading the image");
+  out.compiled = true;
+  return out;
+}
+
+}  // namespace
+
+std::string nvrtc_version(const CudaApi& api) {
+  int major = 0, minor = 0;
+  check_nvrtc(api, api.nvrtcVersion(&major, &minor), "reporting its version");
+  return std::to_string(major) + "." + std::to_string(minor);
+}
+
+std::string target_for(const CudaApi& api, int arch) {
+  const std::vector<int> archs = supported_archs(api);
+  FASTHOOKS_CHECK(!archs.empty() && arch >= archs.front(), "fasthooks' CUDA kernels: NVRTC ",
+                  nvrtc_version(api), " compiles for sm_", archs.empty() ? 0 : archs.front(),
+                  " and later, not for this GPU's sm_", arch);
+  for (const int known : archs) {
+    if (known == arch) return "sm_" + std::to_string(arch);
+  }
+  int newest = archs.front();
+  for (const int known : archs) {
+    if (known < arch && known > newest) newest = known;
+  }
+  return "compute_" + std::to_string(newest);
+}
+
+KernelImage kernel_image(const CudaApi& api, const std::string& cache_dir, const KernelVariant& v,
+                         int arch, bool log) {
+  const std::string target = target_for(api, arch);
+  const std::string version = nvrtc_version(api);
+  char hash[17];
+  std::snprintf(hash, sizeof(hash), "%016llx",
+                static_cast<unsigned long long>(
+                    fingerprint({kKernelSource, name_expression(v), target, version})));
+  const std::string stem = cache_dir + "/" + variant_label(v) + "-" + target + "-nvrtc" + version +
+                           "-" + hash;
+  const std::string path = stem + ".bin";
+  KernelImage image;
+  std::string contents;
+  if (read_file(path, contents) && parse(contents, image)) {
+    image.path = path;
+    return image;
+  }
+  const bool cached = make_directories(cache_dir);
+  const FileLock lock(cached ? stem + ".lock" : std::string());
+  // Another process may have compiled it while this one waited for the lock.
+  if (cached && read_file(path, contents) && parse(contents, image)) {
+    image.path = path;
+    return image;
+  }
+  if (log) {
+    std::fprintf(stderr, "fasthooks: compiling the CUDA kernel %s for %s with NVRTC %s, once\n",
+                 variant_label(v).c_str(), target.c_str(), version.c_str());
+  }
+  image = compile(api, v, target);
+  if (cached && write_atomically(path, image.lowered_name + "\n" + image.image)) {
+    image.path = path;
+  } else {
+    std::fprintf(stderr,
+                 "fasthooks: could not write the CUDA kernel cache in %s (set FASTHOOKS_CACHE_DIR "
+                 "to a writable directory): this process compiles its kernels for itself\n",
+                 cache_dir.c_str());
+  }
+  return image;
+}
+
+}  // namespace cuda
+}  // namespace fasthooks

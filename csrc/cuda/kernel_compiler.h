@@ -1,0 +1,36 @@
+// The CUDA kernels compiled where they run: the kernel source built into the binary, compiled by
+// NVRTC for the device's architecture at first use, one instantiation at a time, and kept in a
+// disk cache shared by the processes of a machine.
+#pragma once
+
+#include <string>
+
+#include "cuda_api.h"
+#include "launch_plan.h"
+
+namespace fasthooks {
+namespace cuda {
+
+struct KernelImage {
+  std::string lowered_name;  // the kernel's name in the image
+  std::string image;         // a cubin, or PTX for a GPU newer than NVRTC knows
+  bool compiled = false;     // compiled by this call, not read from the cache
+  std::string path;          // where the cache keeps it (empty when it could not)
+};
+
+// What NVRTC builds for compute capability `arch` (major * 10 + minor): "sm_90" for an
+// architecture it knows, "compute_100" (PTX of the newest it knows, which the driver compiles)
+// for a newer one; fails for one older than it supports.
+std::string target_for(const CudaApi& api, int arch);
+
+// "13.0"
+std::string nvrtc_version(const CudaApi& api);
+
+// The image of kernel `v` for `arch`, from the cache in `cache_dir` or compiled now (and then
+// stored there, once however many processes ask at the same time). `log` says so on stderr, once
+// per kernel and process, when it compiles.
+KernelImage kernel_image(const CudaApi& api, const std::string& cache_dir, const KernelVariant& v,
+                         int arch, bool log);
+
+}  // namespace cuda
+}  // namespace fasthooks

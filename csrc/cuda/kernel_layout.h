@@ -1,0 +1,91 @@
+// What the host and the device code of the CUDA kernels share: the block shape, the workspace
+// layout, the buffers a kernel writes and the table of the list kernel. NVRTC compiles it with
+// the kernels (accumulate_kernel.cuh); the host side (launch_plan.h) fills what it declares.
+#pragma once
+
+#include "../device_base.h"
+#include "../stats.h"
+
+namespace fasthooks {
+namespace cuda {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+// Resident blocks per multiprocessor the kernels are compiled for (__launch_bounds__): at most
+// 65536 / (3 * 256) = 85 registers a thread.
+constexpr int kMinBlocksPerSM = 3;
+constexpr int kVecBytes = 16;
+// Loads a thread issues before it uses the first of them.
+constexpr int kLoadsInFlight = 2;
+// Per-block partial results: one Stats, as the state planes.
+constexpr int64_t kPartials = kFullPlanes;
+// Shared memory is sized for the most bins fasthooks/layout.py allows.
+constexpr int64_t kMaxBins = 2048;
+// Loads of a thread summed around one shift before they merge into its moments in double.
+constexpr int kSegmentLoads = 64;
+
+// Tensors one launch of the list kernel takes: their table (TensorTable) fits the 4 KB of kernel
+// arguments.
+constexpr int kListTensors = 64;
+
+// The workspace (fasthooks/layout.py mirrors it): kRegions regions of kMaxBlocks partials each,
+// then kListTensors finished-blocks counters per region (each in a double's place), then the
+// count of calls that found the cursor past the buffers' capacity. Calls that may run at the same
+// time (on different streams, or a captured graph beside eager calls) are given different
+// regions by the host.
+constexpr int64_t kMaxBlocks = 2048;
+constexpr int64_t kRegions = 8;
+constexpr int64_t kRegionDoubles = kPartials * kMaxBlocks;
+constexpr int64_t kCountersAt = kRegions * kRegionDoubles;
+constexpr int64_t kDroppedAt = kCountersAt + kRegions * kListTensors;
+constexpr int64_t kWorkspaceDoubles = kDroppedAt + 1;
+
+template <typename T, int Width>
+struct alignas(Width * sizeof(T)) Load {
+  T val[Width];
+};
+
+// Half and bfloat16 values are summed in float, as torch's own reductions do.
+template <typename T>
+struct Accumulator {
+  using type = float;
+};
+template <>
+struct Accumulator<double> {
+  using type = double;
+};
+
+struct Buffers {
+  double* state;
+  float* stats;
+  float* extra;
+  int64_t* hist;
+  const int64_t* cursor;
+  double* partials;        // the call's region
+  unsigned int* finished;  // the region's kListTensors counters, each a double apart
+  unsigned long long* dropped;
+  int64_t* order;  // the call order (stats.h, note_call_order); null when the run keeps none
+  unsigned long long* clock;
+  int64_t slot;
+  int64_t modules;
+  int64_t capacity;
+  int64_t bins;
+  double near_zero;
+  double hist_min;
+  double hist_max;
+};
+
+// One launch of the list kernel: up to kListTensors tensors of one dtype, tensor t taking blocks
+// [first_block[t], first_block[t + 1]) and its partials at those indices.
+struct TensorTable {
+  const void* x[kListTensors];
+  const void* base[kListTensors];  // null without a base
+  int64_t n[kListTensors];
+  int64_t head[kListTensors];
+  int64_t slot[kListTensors];
+  int32_t first_block[kListTensors + 1];
+  int32_t count;
+};
+
+}  // namespace cuda
+}  // namespace fasthooks

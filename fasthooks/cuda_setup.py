@@ -1,0 +1,174 @@
+"""What the CUDA operator of fasthooks._C needs at run time, found here and handed over once.
+
+The binary links no CUDA library. Its CUDA kernels are compiled at first use by the NVRTC of the
+CUDA torch beside it, for the GPU's own architecture, and launched through the CUDA driver: this
+module finds the driver (libcuda.so.1), NVRTC (the copy torch's CUDA packages install) and
+torch's current-stream function, and the disk cache where compiled kernels are kept.
+
+Environment:
+    FASTHOOKS_NVRTC: the NVRTC library to use (a path), in place of the one found beside torch.
+    FASTHOOKS_CACHE_DIR: where compiled kernels are kept (default: $XDG_CACHE_HOME/fasthooks,
+        or ~/.cache/fasthooks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Positions of the dtypes the kernels read (csrc/dtype_dispatch.h, dtype_position).
+DTYPE_POSITIONS = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+_OUT_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class CudaSetup:
+    """What was found: the NVRTC library and its version, the cache directory, and why the CUDA
+    kernels cannot run here (None when they can)."""
+
+    nvrtc: str | None
+    nvrtc_version: str | None
+    cache_dir: str
+    unavailable: str | None
+
+
+def cache_dir() -> str:
+    """Where compiled kernels are kept: FASTHOOKS_CACHE_DIR, else the user's cache directory."""
+    if os.environ.get("FASTHOOKS_CACHE_DIR"):
+        return os.path.abspath(os.environ["FASTHOOKS_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fasthooks", "cuda-kernels")
+
+
+def nvrtc_candidates() -> list[Path]:
+    """NVRTC libraries where CUDA builds of torch put them (their nvidia packages, torch/lib),
+    then a CUDA toolkit's; those of torch's own CUDA major version first."""
+    found: list[Path] = []
+    for entry in sys.path:
+        base = Path(entry or ".")
+        for pattern in ("nvidia/cu*/lib/libnvrtc.so.*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*"):
+            found += sorted(base.glob(pattern))
+        found += sorted((base / "torch" / "lib").glob("libnvrtc*.so*"))
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home:
+            found += sorted(Path(home, "lib64").glob("libnvrtc.so.*"))
+    found = [p for p in dict.fromkeys(found) if "builtins" not in p.name and ".alt." not in p.name]
+    major = (torch.version.cuda or "").split(".")[0]
+    return sorted(found, key=lambda p: not re.search(rf"\.so\.{major}(\.|$)", p.name))
+
+
+def _load_nvrtc(path: Path) -> ctypes.CDLL:
+    # NVRTC opens its builtins library by name: loaded first, from beside it, it is found.
+    for builtins in sorted(path.parent.glob("libnvrtc-builtins.so.*")):
+        if ".alt." not in builtins.name:
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+    return ctypes.CDLL(str(path))
+
+
+def _find_nvrtc() -> tuple[ctypes.CDLL | None, str | None, str | None]:
+    """(library, path, why not found)."""
+    paths = [Path(os.environ["FASTHOOKS_NVRTC"])] if os.environ.get("FASTHOOKS_NVRTC") else []
+    paths += nvrtc_candidates()
+    errors = []
+    for path in paths:
+        try:
+            return _load_nvrtc(path), str(path), None
+        except OSError as error:
+            errors.append(f"{path}: {error}")
+    where = "; ".join(errors) or "none beside torch, in its nvidia packages or in CUDA_HOME"
+    return None, None, f"no NVRTC library could be loaded ({where}; set FASTHOOKS_NVRTC)"
+
+
+def _torch_cuda_library() -> ctypes.CDLL | None:
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cuda.so"
+    return ctypes.CDLL(str(path)) if torch.version.cuda and path.exists() else None
+
+
+def _resolve(library: ctypes.CDLL | None, name: str) -> int | None:
+    if library is None:
+        return None
+    try:
+        return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+    except AttributeError:
+        return None
+
+
+def _extension() -> ctypes.CDLL:
+    import fasthooks._C as extension
+
+    return ctypes.CDLL(extension.__file__)
+
+
+def configure() -> CudaSetup:
+    """Finds what the CUDA kernels need and hands it to the extension (which must be loaded)."""
+    lib = _extension()
+    lib.fasthooks_cuda_api_name.restype = ctypes.c_char_p
+    names = []
+    while (name := lib.fasthooks_cuda_api_name(len(names))) is not None:
+        names.append(name.decode())
+    missing = []
+    if not torch.version.cuda:
+        missing.append(f"torch {torch.__version__} is a CPU build")
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError as error:
+        driver, _ = None, missing.append(f"no CUDA driver ({error})")
+    nvrtc, nvrtc_path, nvrtc_missing = _find_nvrtc()
+    if nvrtc_missing:
+        missing.append(nvrtc_missing)
+    torch_cuda = _torch_cuda_library()
+    libraries = {"cu": driver, "nvrtc": nvrtc, "aoti": torch_cuda}
+    addresses = []
+    for name in names:
+        library = next(lib_ for prefix, lib_ in libraries.items() if name.startswith(prefix))
+        address = _resolve(library, name)
+        if address is None and library is not None:
+            missing.append(f"{name} not found")
+        addresses.append(address)
+    unavailable = "; ".join(missing) or None
+    directory = cache_dir()
+    table = (ctypes.c_void_p * len(addresses))(*addresses)
+    lib.fasthooks_cuda_setup(
+        table, directory.encode(), unavailable.encode() if unavailable else None
+    )
+    return CudaSetup(nvrtc_path, _version(nvrtc), directory, unavailable)
+
+
+def _version(nvrtc: ctypes.CDLL | None) -> str | None:
+    if nvrtc is None:
+        return None
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
+def target(arch: int) -> str:
+    """What NVRTC builds for compute capability `arch` (90 for sm_90): "sm_90", or "compute_N"
+    (PTX the driver compiles) for a GPU newer than NVRTC knows.
+
+    Raises RuntimeError when NVRTC is missing or too new for `arch`.
+    """
+    out = ctypes.create_string_buffer(_OUT_SIZE)
+    if _extension().fasthooks_cuda_target(arch, out, ctypes.c_size_t(_OUT_SIZE)) != 0:
+        raise RuntimeError(out.value.decode())
+    return out.value.decode().split(" ")[1]
+
+
+def compile_kernel(
+    dtype: torch.dtype, arch: int, *, full: bool, hist: bool, diff: bool = False, list_: bool = False
+) -> tuple[bool, str]:
+    """Compiles one kernel for compute capability `arch` into the cache, with no GPU needed:
+    (whether it was compiled now rather than found in the cache, its cache file)."""
+    out = ctypes.create_string_buffer(_OUT_SIZE)
+    done = _extension().fasthooks_cuda_compile(
+        DTYPE_POSITIONS[dtype], list_, full, hist, diff, arch, out, ctypes.c_size_t(_OUT_SIZE)
+    )
+    if done < 0:
+        raise RuntimeError(out.value.decode())
+    return done == 1, out.value.decode()
