@@ -115,7 +115,7 @@ def extension_build():
     extension = cpp_extension.CppExtension(
         "fasthooks._C",
         sources,
-        include_dirs=compat + [str(generated)],
+        include_dirs=[*compat, str(generated)],
         extra_compile_args={"cxx": cxx},
         py_limited_api=True,
     )

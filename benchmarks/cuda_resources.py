@@ -1,10 +1,14 @@
-"""Registers, spills and resident blocks of each CUDA kernel, as ptxas reports them.
+"""Registers, spills and resident blocks of each CUDA kernel, read from the cubins NVRTC makes.
 
-Compiles csrc/cuda/accumulate_cuda.cu with `nvcc -Xptxas -v` for each architecture (no GPU
-needed; torch must be a CUDA build) and prints a markdown table: per kernel and architecture the
-registers a thread uses, the bytes it spills, and how many blocks of 256 threads a multiprocessor
-holds by registers (65,536 of them, allocated per warp in units of 256); "list" marks the kernels
-that take many tensors in one launch (accumulate_stats_list).
+Compiles every kernel instantiation for each architecture as the extension does at its first use
+(fasthooks.cuda_setup.compile_kernel, into its cache, FASTHOOKS_CACHE_DIR; no GPU needed, but
+fasthooks._C built and a CUDA build of torch with its NVRTC), disassembles each cubin with
+nvdisasm and prints a markdown table: per kernel and architecture the registers a thread uses
+(the cubin's EIATTR_REGCOUNT), the bytes its own code (not its subroutines, the slow paths of
+division) stores to and loads from local memory (what ptxas -v reports as spills), and how many
+blocks of 256 threads a multiprocessor holds by registers (65,536 of them, allocated per warp in
+units of 256); "list" marks the kernels that take many tensors in one launch
+(accumulate_stats_list).
 
     python benchmarks/cuda_resources.py [--archs 80 90] [--out DIR]
 """
@@ -12,25 +16,27 @@ that take many tensors in one launch (accumulate_stats_list).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "csrc" / "cuda" / "accumulate_cuda.cu"
+# The checkout's fasthooks, where no other is importable.
+sys.path.append(str(ROOT))
 THREADS = 256
 REGISTERS_PER_SM = 65536
-DTYPES = {"f": "float32", "d": "float64", "N3c104HalfE": "float16", "N3c108BFloat16E": "bfloat16"}
-KERNEL = re.compile(
-    r"accumulate_(stats|list)_kernelI(f|d|N3c104HalfE|N3c108BFloat16E)[fd]Lb([01])ELb([01])ELb([01])E"
-)
-ENTRY = re.compile(r"Compiling entry function '([^']+)' for 'sm_(\d+)'")
-SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-USED = re.compile(r"Used (\d+) registers")
+# A memory access's size modifier in SASS, in bytes (none: 4).
+ACCESS_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1, "256": 32}
+LOCAL_ACCESS = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?((?:LDL|STL)[\w.]*)", re.M)
+# A subroutine's label, where a kernel's own code ends.
+SUBROUTINE = re.compile(r"^\$[\w$]+:", re.M)
+REGCOUNT = re.compile(r"EIATTR_REGCOUNT\n(?:.*\n)*?.*index@\((\S+)\)\n.*\.word\s+0x([0-9a-f]+)")
 
 
 def blocks_by_registers(registers: int) -> int:
@@ -39,7 +45,7 @@ def blocks_by_registers(registers: int) -> int:
 
 
 class Kernel(NamedTuple):
-    """One instantiation of the kernel template, read from its mangled name."""
+    """One instantiation of the kernel template."""
 
     dtype: str
     full: bool  # every statistic, or mean and std only
@@ -56,66 +62,117 @@ class Kernel(NamedTuple):
         return what + (", list" if self.is_list else "")
 
 
-def kernel_of(name: str) -> Kernel | None:
-    """The kernel a (mangled) function name is, or None for another function."""
-    match = KERNEL.search(name)
-    if match is None:
-        return None
-    family, dtype, full, hist, diff = match.groups()
-    return Kernel(DTYPES[dtype], full == "1", hist == "1", diff == "1", family == "list")
+# Every instantiation the extension can launch: a difference has every statistic.
+KERNELS = [
+    Kernel(dtype, full, hist, diff, is_list)
+    for dtype in ("float32", "float64", "float16", "bfloat16")
+    for is_list in (False, True)
+    for full, diff in ((False, False), (True, False), (True, True))
+    for hist in (False, True)
+]
 
 
-def nvcc_command() -> list[str]:
-    """nvcc with the flags and include paths that compile SOURCE as the extension's build does;
-    the caller adds what to produce and for which architectures."""
-    import torch
-    from torch.utils import cpp_extension
+def access_bytes(opcode: str) -> int:
+    """Bytes a load or store instruction moves, from its opcode ("LDG.E.128.CONSTANT")."""
+    return next((ACCESS_BYTES[m] for m in opcode.split(".") if m in ACCESS_BYTES), 4)
 
-    if torch.version.cuda is None or cpp_extension.CUDA_HOME is None:
-        raise SystemExit(
-            f"{Path(sys.argv[0]).name} needs a CUDA build of torch and a CUDA toolkit (nvcc)"
-        )
-    sys.path.insert(0, str(ROOT))
-    from fasthooks.torch_support import MIN_TORCH
 
-    target = (MIN_TORCH[0] << 56) | (MIN_TORCH[1] << 48)
-    includes = [f"-I{p}" for p in cpp_extension.include_paths(device_type="cuda")]
+def nvdisasm() -> str | None:
+    """The toolkit's nvdisasm, or the one of the nvidia-cuda-nvdisasm package."""
+    found = shutil.which("nvdisasm")
     try:
         import nvidia
 
-        includes += [f"-I{p}" for b in nvidia.__path__ for p in Path(b).glob("cu*/include")]
+        found = found or next(
+            (str(p) for b in nvidia.__path__ for p in Path(b).glob("cu*/bin/nvdisasm")), None
+        )
     except ImportError:
         pass
-    nvcc = shutil.which("nvcc") or str(Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc")
-    command = [nvcc, str(SOURCE), "-O3", "-std=c++17", f"-DTORCH_TARGET_VERSION={target:#x}"]
-    return [*command, "-DUSE_CUDA", *includes]
+    return found
 
 
-def ptxas_report(archs: list[str]) -> str:
-    """nvcc's resource report for every kernel of SOURCE."""
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    with tempfile.TemporaryDirectory() as scratch:
-        command = [*nvcc_command(), "-c", "-o", f"{scratch}/kernels.o", "-Xptxas", "-v"]
-        done = subprocess.run(command + gencode, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"nvcc failed:\n{done.stderr[-4000:]}")
-    return done.stderr
+def missing() -> str | None:
+    """Why the kernels cannot be compiled and disassembled here (None when they can)."""
+    try:
+        from fasthooks import ops
+
+        status = ops.cuda_status()
+    except (ImportError, RuntimeError) as error:
+        return f"fasthooks._C is not usable: {error}"
+    if status.nvrtc is None:
+        return f"no NVRTC: {status.unavailable}"
+    if nvdisasm() is None:
+        return "no nvdisasm: install the nvidia-cuda-nvdisasm package (make .venv-cuda)"
+    return None
 
 
-def resources(report: str) -> dict[tuple[str, str], dict[str, tuple[int, int]]]:
+def cubin(kernel: Kernel, arch: str) -> tuple[str, bytes]:
+    """(lowered name, cubin) of `kernel` for sm_`arch`, compiled as the extension compiles it."""
+    import torch
+
+    from fasthooks import cuda_setup
+
+    _, path = cuda_setup.compile_kernel(
+        getattr(torch, kernel.dtype),
+        int(arch),
+        full=kernel.full,
+        hist=kernel.hist,
+        diff=kernel.diff,
+        list_=kernel.is_list,
+    )
+    # A cache file holds the lowered name, a newline, then the image.
+    name, _, image = Path(path).read_bytes().partition(b"\n")
+    return name.decode(), image
+
+
+def disassemble(archs: list[str]) -> dict[tuple[Kernel, str], tuple[str, str]]:
+    """{(kernel, arch): (its lowered name, nvdisasm's listing of its cubin)} for every kernel."""
+    if why := missing():
+        raise SystemExit(f"{Path(sys.argv[0]).name}: {why}")
+    from fasthooks import cuda_setup
+
+    for arch in archs:
+        # A GPU newer than NVRTC knows gets PTX, which nvdisasm cannot read.
+        if (target := cuda_setup.target(int(arch))) != f"sm_{arch}":
+            raise SystemExit(f"NVRTC builds {target} for sm_{arch}, not a cubin")
+    disassembler = nvdisasm()
+
+    def one(job: tuple[Kernel, str]) -> tuple[str, str]:
+        kernel, arch = job
+        name, image = cubin(kernel, arch)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+            file.write(image)
+            file.flush()
+            done = subprocess.run([disassembler, file.name], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"nvdisasm failed on {kernel} for sm_{arch}:\n{done.stderr[-4000:]}")
+        return name, done.stdout
+
+    jobs = [(kernel, arch) for arch in archs for kernel in KERNELS]
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        return dict(zip(jobs, pool.map(one, jobs), strict=True))
+
+
+def registers(name: str, listing: str) -> int:
+    """The registers a thread of kernel `name` uses, from nvdisasm's listing of its cubin."""
+    return {found: int(count, 16) for found, count in REGCOUNT.findall(listing)}[name]
+
+
+def spilled_bytes(name: str, listing: str) -> int:
+    """Bytes of the local-memory stores and loads in the code of kernel `name` (up to its first
+    subroutine), from nvdisasm's listing of its cubin: its spills, as ptxas counts them."""
+    code = SUBROUTINE.split(listing.split(f"\n.text.{name}:\n", 1)[1], 1)[0]
+    return sum(access_bytes(opcode) for opcode in LOCAL_ACCESS.findall(code))
+
+
+def resources(
+    listings: dict[tuple[Kernel, str], tuple[str, str]],
+) -> dict[tuple[str, str], dict[str, tuple[int, int]]]:
     """{(dtype, statistics): {arch: (registers, spill stores + loads in bytes)}}."""
     table: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
-    kernel = arch = None
-    spilled = 0
-    for line in report.splitlines():
-        if entry := ENTRY.search(line):
-            found = kernel_of(entry.group(1))
-            kernel = (found.dtype, found.what) if found else None
-            arch, spilled = entry.group(2), 0
-        elif (spills := SPILLS.search(line)) and kernel:
-            spilled = int(spills.group(1)) + int(spills.group(2))
-        elif (used := USED.search(line)) and kernel:
-            table.setdefault(kernel, {})[arch] = (int(used.group(1)), spilled)
+    for (kernel, arch), (name, listing) in listings.items():
+        figures = (registers(name, listing), spilled_bytes(name, listing))
+        table.setdefault((kernel.dtype, kernel.what), {})[arch] = figures
     return table
 
 
@@ -134,7 +191,7 @@ def main() -> None:
     parser.add_argument("--archs", nargs="+", default=["80", "90"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    text = markdown(resources(ptxas_report(args.archs)), args.archs)
+    text = markdown(resources(disassemble(args.archs)), args.archs)
     print(text, end="")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Instructions per element of each CUDA kernel, from its SASS, against the memory bandwidth.
 
-Compiles csrc/cuda/accumulate_cuda.cu to a cubin per architecture (sm_80, sm_90, sm_100; no GPU
-needed, torch must be a CUDA build, as for cuda_resources.py), disassembles every kernel with
+Compiles every kernel instantiation with NVRTC for sm_80, sm_90 and sm_100, as the extension
+does at first use (no GPU needed; what cuda_resources.py needs), disassembles each cubin with
 nvdisasm and counts the instructions a thread issues per input element in the steady state:
 
 - the steady loop: the innermost loop that holds the most kVecBytes (16-byte) global loads,
@@ -10,7 +10,8 @@ nvdisasm and counts the instructions a thread issues per input element in the st
   thread: the shift, the merge of the segment's sums into the thread's moments), over the
   elements of a segment. Left out as not taken: other loops in it and the code that leads only
   to them (the segment recomputed in double when its float sums are unsafe), and blocks that
-  call a subroutine (nvcc's slow paths of division). Both sides of any other branch are counted.
+  call a subroutine (the compiler's slow paths of division). Both sides of any other branch are
+  counted.
 
 Every instruction of the steady loop's body is counted once: in the steady state every load of
 an iteration is in range, and a warp issues a branch's body when any of its lanes takes it (a
@@ -18,10 +19,10 @@ histogram's shared-memory atomic is issued by one lane of each group of lanes sh
 by some lane of every warp). The histogram's bin count is a runtime argument: every bin count
 runs the same code, with the same instructions per element. The scalar head and tail of an
 input, and the per-block and per-tensor merges, are left out (a bounded cost, not per element).
-Loops are found from backward branches of code laid out as nvcc lays it out (a loop's body is
+Loops are found from backward branches of code laid out as ptxas lays it out (a loop's body is
 the address range from its head to its backward branch): a heuristic, checked only in that it
 must find a steady loop with vector loads in every kernel. Code that runs only when a warp has
-diverged (what nvcc places behind BRA.DIV) is taken as not run.
+diverged (what ptxas places behind BRA.DIV) is taken as not run.
 
 For each GPU: the issue bound, 4 warp instructions per cycle per SM x 32 threads x SMs x clock
 over instructions per element, in elements per second, against the memory bandwidth over the
@@ -38,21 +39,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from cuda_resources import ENTRY, ROOT, USED, Kernel, blocks_by_registers, kernel_of, nvcc_command
+from cuda_resources import ROOT, Kernel, access_bytes, blocks_by_registers, disassemble, registers
 
-KERNEL_SOURCE = ROOT / "csrc" / "cuda" / "accumulate_kernel.cuh"
+KERNEL_LAYOUT = ROOT / "csrc" / "cuda" / "kernel_layout.h"
 ELEMENT_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 
@@ -108,14 +104,13 @@ CLASS_OF = {op: name for name, ops in CLASSES.items() for op in ops}
 INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;")
 LABEL = re.compile(r"^(\.L_x_\d+|\$[\w$]+):")
 TARGET = re.compile(r"`\((\.L_x_\d+)\)")
-LOAD_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1, "256": 32}
 
 
 def kernel_constant(name: str) -> int:
-    """A `constexpr int` of the kernel's source (csrc/cuda/accumulate_kernel.cuh)."""
-    match = re.search(rf"constexpr int {name} = (\d+);", KERNEL_SOURCE.read_text())
+    """A `constexpr int` of the kernels' layout (csrc/cuda/kernel_layout.h)."""
+    match = re.search(rf"constexpr int {name} = (\d+);", KERNEL_LAYOUT.read_text())
     if match is None:
-        raise SystemExit(f"no constexpr int {name} in {KERNEL_SOURCE}")
+        raise SystemExit(f"no constexpr int {name} in {KERNEL_LAYOUT}")
     return int(match.group(1))
 
 
@@ -141,7 +136,7 @@ class Instruction:
         """Bytes of a global load, 0 for any other instruction."""
         if self.base not in ("LDG", "LD"):
             return 0
-        return next((LOAD_BYTES[m] for m in self.opcode.split(".") if m in LOAD_BYTES), 4)
+        return access_bytes(self.opcode)
 
     @property
     def target(self) -> str | None:
@@ -316,55 +311,6 @@ def analyse(code: list[Instruction], labels: dict[str, int], kernel: Kernel) -> 
     )
 
 
-def nvdisasm() -> str:
-    """The toolkit's nvdisasm, or the one of the nvidia-cuda-nvdisasm package."""
-    found = shutil.which("nvdisasm")
-    try:
-        import nvidia
-
-        found = found or next(
-            (str(p) for b in nvidia.__path__ for p in Path(b).glob("cu*/bin/nvdisasm")), None
-        )
-    except ImportError:
-        pass
-    if found is None:
-        raise SystemExit("no nvdisasm: install the nvidia-cuda-nvdisasm package (make .venv-cuda)")
-    return found
-
-
-def disassemble(archs: list[str]) -> dict[str, tuple[str, str]]:
-    """{arch: (ptxas's report, nvdisasm's SASS)} of SOURCE compiled for each arch."""
-    command, disassembler = nvcc_command(), nvdisasm()
-
-    def one(arch: str, scratch: str) -> tuple[str, str]:
-        cubin = f"{scratch}/sm_{arch}.cubin"
-        done = subprocess.run(
-            [*command, "-cubin", f"-arch=sm_{arch}", "-o", cubin, "-Xptxas", "-v"],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            raise SystemExit(f"nvcc failed for sm_{arch}:\n{done.stderr[-4000:]}")
-        sass = subprocess.run([disassembler, "-c", cubin], capture_output=True, text=True)
-        if sass.returncode != 0:
-            raise SystemExit(f"nvdisasm failed for sm_{arch}:\n{sass.stderr[-4000:]}")
-        return done.stderr, sass.stdout
-
-    with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(os.cpu_count()) as pool:
-        return dict(zip(archs, pool.map(lambda a: one(a, scratch), archs), strict=True))
-
-
-def parse_registers(report: str) -> dict[str, int]:
-    """{function: registers} of ptxas's report."""
-    registers, name = {}, None
-    for line in report.splitlines():
-        if entry := ENTRY.search(line):
-            name = entry.group(1)
-        elif (used := USED.search(line)) and name:
-            registers[name] = int(used.group(1))
-    return registers
-
-
 def per_element(instructions: list[Instruction], elements: float) -> dict[str, float]:
     """{class: instructions per element}."""
     return {k: n / elements for k, n in Counter(ins.klass for ins in instructions).items()}
@@ -374,34 +320,31 @@ def measure(archs: list[str]) -> dict[str, dict[str, dict]]:
     """{kernel variant: {arch: figures}} of every kernel."""
     threads = kernel_constant("kThreads")
     results: dict[str, dict[str, dict]] = {}
-    for arch, (report, sass) in disassemble(archs).items():
-        registers = parse_registers(report)
-        for name, (code, labels) in functions(sass).items():
-            kernel = kernel_of(name)
-            if kernel is None:
-                continue
-            a = analyse(code, labels, kernel)
-            loop = per_element(a.loop, a.elements_per_iteration)
-            segment = per_element(a.segment, a.elements_per_segment)
-            classes = {k: loop.get(k, 0.0) + segment.get(k, 0.0) for k in CLASSES_ORDER}
-            blocks = blocks_by_registers(registers[name])
-            results.setdefault(f"{kernel.dtype}, {kernel.what}", {})[arch] = {
-                "kernel": kernel._asdict(),
-                "loop_instructions": len(a.loop),
-                "elements_per_iteration": a.elements_per_iteration,
-                "segment_instructions": len(a.segment),
-                "elements_per_segment": a.elements_per_segment,
-                "per_element": sum(classes.values()),
-                "loop_per_element": sum(loop.values()),
-                "segment_per_element": sum(segment.values()),
-                "by_class": {
-                    k: v for k, v in sorted(classes.items(), key=lambda kv: (-kv[1], kv[0])) if v
-                },
-                "registers": registers[name],
-                "blocks_per_sm": blocks,
-                "in_flight_bytes_per_thread": a.in_flight_bytes,
-                "in_flight_bytes_per_sm": a.in_flight_bytes * threads * blocks,
-            }
+    for (kernel, arch), (name, listing) in disassemble(archs).items():
+        code, labels = functions(listing)[name]
+        a = analyse(code, labels, kernel)
+        loop = per_element(a.loop, a.elements_per_iteration)
+        segment = per_element(a.segment, a.elements_per_segment)
+        classes = {k: loop.get(k, 0.0) + segment.get(k, 0.0) for k in CLASSES_ORDER}
+        used = registers(name, listing)
+        blocks = blocks_by_registers(used)
+        results.setdefault(f"{kernel.dtype}, {kernel.what}", {})[arch] = {
+            "kernel": kernel._asdict(),
+            "loop_instructions": len(a.loop),
+            "elements_per_iteration": a.elements_per_iteration,
+            "segment_instructions": len(a.segment),
+            "elements_per_segment": a.elements_per_segment,
+            "per_element": sum(classes.values()),
+            "loop_per_element": sum(loop.values()),
+            "segment_per_element": sum(segment.values()),
+            "by_class": {
+                k: v for k, v in sorted(classes.items(), key=lambda kv: (-kv[1], kv[0])) if v
+            },
+            "registers": used,
+            "blocks_per_sm": blocks,
+            "in_flight_bytes_per_thread": a.in_flight_bytes,
+            "in_flight_bytes_per_sm": a.in_flight_bytes * threads * blocks,
+        }
     return results
 
 

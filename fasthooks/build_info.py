@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import ops
+from . import cuda_setup, ops
 from ._version import __version__
 from .buffers import StatBuffers
 from .moments import accumulate_stats_python
@@ -20,7 +20,8 @@ SELF_CHECK_RTOL = 1e-5
 
 def build_info() -> dict[str, Any]:
     """The package and torch versions, whether the extension loaded (and why not), the CPU
-    kernels picked, and which device types have a fused kernel registered.
+    kernels picked, which device types have a fused kernel registered, and what the CUDA
+    kernels found: NVRTC, what it compiles for each GPU, the cache, and why they cannot run.
 
     Examples:
         >>> info = build_info()
@@ -40,6 +41,27 @@ def build_info() -> dict[str, Any]:
             device: loaded and ops.has_kernel_for(device) for device in ("cpu", "cuda")
         },
         "devices": devices(),
+        **(cuda_info() if loaded else {}),
+    }
+
+
+def cuda_info() -> dict[str, Any]:
+    """NVRTC (path and version), the cache directory, what NVRTC compiles for each CUDA device,
+    and why the CUDA kernels cannot run here (None when they can)."""
+    setup = ops.cuda_status()
+    targets = {}
+    for i in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(i)
+        try:
+            targets[f"cuda:{i}"] = cuda_setup.target(major * 10 + minor)
+        except RuntimeError as error:
+            targets[f"cuda:{i}"] = str(error)
+    return {
+        "nvrtc": setup.nvrtc,
+        "nvrtc_version": setup.nvrtc_version,
+        "kernel_cache": setup.cache_dir,
+        "cuda_targets": targets,
+        "cuda_unavailable": setup.unavailable,
     }
 
 
@@ -79,6 +101,10 @@ def main() -> int:
     for device in info["devices"]:
         if not ops.has_kernel_for(torch.device(device).type):
             print(f"self-check {device}: no fused kernel for this device type")
+            failed = True
+            continue
+        if device.startswith("cuda") and info["cuda_unavailable"]:
+            print(f"self-check {device}: the CUDA kernels cannot run: {info['cuda_unavailable']}")
             failed = True
             continue
         for dtype in SELF_CHECK_DTYPES:

@@ -161,7 +161,13 @@ def target(arch: int) -> str:
 
 
 def compile_kernel(
-    dtype: torch.dtype, arch: int, *, full: bool, hist: bool, diff: bool = False, list_: bool = False
+    dtype: torch.dtype,
+    arch: int,
+    *,
+    full: bool,
+    hist: bool,
+    diff: bool = False,
+    list_: bool = False,
 ) -> tuple[bool, str]:
     """Compiles one kernel for compute capability `arch` into the cache, with no GPU needed:
     (whether it was compiled now rather than found in the cache, its cache file)."""

@@ -173,8 +173,9 @@ def has_kernel_for(device_type: str) -> bool:
 
 def backend_for_device(backend: str, requested: str, device: torch.device) -> str:
     """The backend to use on `device`: `backend` unless it is "fused" and the build has no kernel
-    for the device (a wheel built against a CPU torch, on a GPU); then "auto" falls back to
-    "python" with one warning, and "fused" asked for by name is refused.
+    for the device, or its CUDA kernels cannot run here (no NVRTC or no driver); then "auto"
+    falls back to "python" with one warning saying what is missing, and "fused" asked for by
+    name is refused with the same message.
 
     Examples:
         >>> backend_for_device("fused", "auto", torch.device("cpu"))
@@ -183,13 +184,13 @@ def backend_for_device(backend: str, requested: str, device: torch.device) -> st
     if backend != "fused" or device.type in ("cpu", "meta"):
         return backend
     if not has_kernel_for(device.type):
-        why = f"fasthooks._C has no {device.type} kernel"
+        why = f"this build of fasthooks._C has no {device.type} kernel"
     elif device.type == "cuda" and cuda_status().unavailable:
         why = f"its CUDA kernels cannot run here: {cuda_status().unavailable}"
     else:
         return backend
     if requested == "fused":
-        raise RuntimeError(f"backend='fused' on {device}: {why}, or use backend='python'")
+        raise RuntimeError(f"backend='fused' on {device}: {why}; use backend='python'")
     if device.type not in _warned_no_device_kernel:
         _warned_no_device_kernel.add(device.type)
         warnings.warn(

@@ -155,6 +155,9 @@ std::string nvrtc_version(const CudaApi& api) {
 }
 
 std::string target_for(const CudaApi& api, int arch) {
+  // The kernels' warp match instructions (__match_any_sync) start with Volta.
+  FASTHOOKS_CHECK(arch >= 70, "fasthooks' CUDA kernels need sm_70 or later, not this GPU's sm_",
+                  arch);
   const std::vector<int> archs = supported_archs(api);
   FASTHOOKS_CHECK(!archs.empty() && arch >= archs.front(), "fasthooks' CUDA kernels: NVRTC ",
                   nvrtc_version(api), " compiles for sm_", archs.empty() ? 0 : archs.front(),

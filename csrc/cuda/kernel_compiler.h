@@ -20,7 +20,7 @@ struct KernelImage {
 
 // What NVRTC builds for compute capability `arch` (major * 10 + minor): "sm_90" for an
 // architecture it knows, "compute_100" (PTX of the newest it knows, which the driver compiles)
-// for a newer one; fails for one older than it supports.
+// for a newer one; fails for one older than it or the kernels (sm_70) support.
 std::string target_for(const CudaApi& api, int arch);
 
 // "13.0"

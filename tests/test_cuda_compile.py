@@ -1,0 +1,161 @@
+"""The CUDA kernels compiled where they run, with no GPU: every kernel the operator can launch,
+compiled by the NVRTC found beside torch (or FASTHOOKS_NVRTC) for each architecture; the disk
+cache across processes and under processes compiling at once; and what happens without a driver.
+
+Runs where an NVRTC is found (a CUDA build of torch); FASTHOOKS_REQUIRE_NVRTC=1 makes a missing
+one a failure.
+"""
+
+import itertools
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import subprocess_env
+
+from fasthooks import cuda_setup, ops
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHS = (80, 90, 100, 120)
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# (full, hist, diff) as the operator asks for them: a difference kernel computes every statistic.
+FLAGS = ((False, False, False), (False, True, False), (True, False, False), (True, True, False))
+FLAGS += ((True, False, True), (True, True, True))
+
+
+def _nvrtc_found() -> bool:
+    return ops.extension_available() and ops.cuda_status().nvrtc is not None
+
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("FASTHOOKS_REQUIRE_NVRTC") != "1" and not _nvrtc_found(),
+    reason="no NVRTC beside this torch (FASTHOOKS_REQUIRE_NVRTC=1 to require one)",
+)
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty kernel cache for this test, handed to the extension."""
+    monkeypatch.setenv("FASTHOOKS_CACHE_DIR", str(tmp_path / "kernels"))
+    cuda_setup.configure()
+    yield tmp_path / "kernels"
+    monkeypatch.delenv("FASTHOOKS_CACHE_DIR")
+    cuda_setup.configure()
+
+
+def _image(path: str) -> tuple[bytes, bytes]:
+    """(lowered name, image) of a cache file."""
+    name, _, image = Path(path).read_bytes().partition(b"\n")
+    return name, image
+
+
+def test_nvrtc_is_found():
+    setup = ops.cuda_status()
+    assert setup.nvrtc and Path(setup.nvrtc).exists()
+    assert setup.nvrtc_version and setup.nvrtc_version[0].isdigit()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_compiles_for_each_architecture(arch, fresh_cache):
+    kernels = list(itertools.product(DTYPES, (False, True), FLAGS))
+    for dtype, list_, (full, hist, diff) in kernels:
+        compiled, path = cuda_setup.compile_kernel(
+            dtype, arch, full=full, hist=hist, diff=diff, list_=list_
+        )
+        name, image = _image(path)
+        assert compiled, path
+        assert name.startswith(b"_Z") and (b"list" in name) == list_
+        assert image[:4] == b"\x7fELF", f"{path} holds no cubin"
+        assert f"-sm_{arch}-nvrtc" in path
+    assert len(list(fresh_cache.glob("*.bin"))) == len(kernels)
+
+
+def test_a_gpu_newer_than_nvrtc_gets_ptx_and_an_older_one_a_clear_error(fresh_cache):
+    target = cuda_setup.target(990)
+    assert target.startswith("compute_")
+    _, path = cuda_setup.compile_kernel(torch.bfloat16, 990, full=True, hist=True)
+    _, image = _image(path)
+    assert b".version" in image and b".target sm_" in image
+    with pytest.raises(RuntimeError, match="need sm_70 or later, not this GPU's sm_60"):
+        cuda_setup.target(60)
+
+
+COMPILE_ONCE = """
+import sys, torch
+from fasthooks import cuda_setup, ops
+ops.cuda_status()
+compiled, path = cuda_setup.compile_kernel(torch.float16, 90, full=True, hist=False)
+print(int(compiled), path)
+"""
+
+
+def _compile_in_a_process(cache: Path) -> tuple[bool, str]:
+    env = subprocess_env(FASTHOOKS_CACHE_DIR=str(cache))
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_ONCE], env=env, capture_output=True, text=True, check=True
+    )
+    compiled, path = done.stdout.split()
+    return compiled == "1", path
+
+
+def test_the_cache_serves_later_processes(tmp_path):
+    first = _compile_in_a_process(tmp_path)
+    second = _compile_in_a_process(tmp_path)
+    assert first[0] and not second[0]
+    assert first[1] == second[1]
+
+
+def test_four_processes_compiling_at_once_compile_once(tmp_path):
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(_compile_in_a_process, [tmp_path] * 4))
+    assert sum(compiled for compiled, _ in results) == 1
+    assert len({path for _, path in results}) == 1
+    name, image = _image(results[0][1])
+    assert name.startswith(b"_Z") and image[:4] == b"\x7fELF"
+    assert [p.name for p in tmp_path.iterdir() if ".tmp." in p.name] == []
+
+
+def test_an_unwritable_cache_still_compiles(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("FASTHOOKS_CACHE_DIR", str(blocked / "kernels"))
+    cuda_setup.configure()
+    try:
+        compiled, path = cuda_setup.compile_kernel(torch.float32, 80, full=False, hist=False)
+    finally:
+        monkeypatch.delenv("FASTHOOKS_CACHE_DIR")
+        cuda_setup.configure()
+    assert compiled and path == ""
+
+
+@pytest.mark.skipif(
+    ops.extension_available() and ops.cuda_status().unavailable is None,
+    reason="the CUDA kernels can run here",
+)
+def test_without_a_driver_auto_runs_python_and_fused_is_refused(monkeypatch):
+    monkeypatch.setattr(ops, "_warned_no_device_kernel", set())
+    cuda = torch.device("cuda")
+    why = ops.cuda_status().unavailable
+    with pytest.warns(RuntimeWarning, match="cannot run here") as warned:
+        assert ops.backend_for_device("fused", "auto", cuda) == "python"
+    assert why in str(warned[0].message)
+    with pytest.raises(RuntimeError, match="backend='fused' on cuda"):
+        ops.backend_for_device("fused", "fused", cuda)
+
+
+def test_python_m_fasthooks_says_what_it_found():
+    done = subprocess.run(
+        [sys.executable, "-m", "fasthooks"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    setup = ops.cuda_status()
+    assert f"nvrtc: {setup.nvrtc}" in done.stdout
+    assert f"nvrtc_version: {setup.nvrtc_version}" in done.stdout
+    assert f"kernel_cache: {setup.cache_dir}" in done.stdout
