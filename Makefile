@@ -4,9 +4,9 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 CUDA_VENV := .venv-cuda
-CUDA_LIB := build/cuda/lib
-WHEEL_CHECK := build/wheel-check
-# The CPU build of torch for everyday use; the CUDA build only to compile and load the CUDA kernels.
+WHEEL_VENV := build/wheel-venv
+# The CPU build of torch for everyday use; the CUDA build (CUDA 13.0 and its NVRTC) beside the
+# wheel, to compile the CUDA kernels with the NVRTC a GPU user has.
 TORCH_CPU := torch==2.13.0
 TORCH_CUDA := torch==2.14.1
 PIP_QUIET := -q --disable-pip-version-check
@@ -26,13 +26,15 @@ MODEL_ZOO := torchvision==0.29.1 timm==1.0.31 $(TRANSFORMERS)
 DISASSEMBLER := nvidia-cuda-nvdisasm==13.2.51
 # Drop pip's notes about unreachable local index folders; keep everything else it says.
 PIP_FILTER := { grep -v "is neither a file nor a directory" || true; }
-CUDA_ARCHS ?= 8.0;9.0
+# The NVRTC that torch 2.10.0's CUDA 12.8 build installs: the kernels must compile with it too.
+NVRTC_CU12 := nvidia-cuda-nvrtc-cu12==12.8.93
+NVRTC_CU12_DIR := build/nvrtc-cu12
 # torch.compile's caches stay inside the work tree (removed by `make clean`), not in /tmp.
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor-cache
 export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 
 .PHONY: help setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa \
-	test-cuda-build test-wheel test-sdist wheel sdist docs lint bench bench-train bench-quick \
+	test-cuda-kernels test-wheel test-sdist wheel wheel-venv sdist docs lint bench bench-train bench-quick \
 	bench-cpu bench-params bench-monitors bench-nonfinite bench-window bench-allreduce bench-abi \
 	bench-roofline clean
 
@@ -110,21 +112,19 @@ $(CUDA_VENV)/.ready: Makefile
 		2>&1 | $(PIP_FILTER)
 	touch $@
 
-# No GPU needed: compiles the CUDA kernels against torch's CUDA build, loads them, checks that
-# the operator has a CUDA kernel and that each kernel's registers match the README, then runs the
-# suite on the CPU against that same build (the CUDA device code's own run on the CPU is
-# test-cpu's), and checks the instructions-per-element table of docs/cuda.md against the SASS.
-## test-cuda-build: compile the CUDA kernels (no GPU needed), check them, run the suite with them
-test-cuda-build: $(CUDA_VENV)/.ready
-	rm -rf $(CUDA_LIB)
-	CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="$(CUDA_ARCHS)" \
-		$(CUDA_VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps \
-		--target $(CUDA_LIB) . 2>&1 | $(PIP_FILTER)
-	PYTHONPATH=$(CUDA_LIB) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_CUDA_KERNEL=1 \
-		CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} $(CUDA_VENV)/bin/pytest -p no:cacheprovider -n 2 \
-		-m "not cuda_on_cpu and not slow" --ignore=tests/test_model_zoo.py
-	CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} $(CUDA_VENV)/bin/python benchmarks/cuda_roofline.py \
-		--check docs/cuda.md --out build/cuda/roofline > /dev/null
+# No GPU needed: every CUDA kernel compiled by NVRTC 12.8 (the one torch 2.10.0's CUDA 12.8 build
+# installs) for sm_80 to sm_120, and the instructions-per-element and register tables of
+# docs/cuda.md checked against the SASS of the kernels NVRTC 13.0 compiles (the wheel's venv).
+## test-cuda-kernels: the CUDA kernels compiled by NVRTC 12.8, and docs/cuda.md's tables checked
+test-cuda-kernels:
+	test -x $(WHEEL_VENV)/bin/python || $(MAKE) --no-print-directory wheel-venv
+	test -d $(NVRTC_CU12_DIR) || $(VENV)/bin/pip install $(PIP_QUIET) --no-deps \
+		--target $(NVRTC_CU12_DIR) $(NVRTC_CU12) 2>&1 | $(PIP_FILTER)
+	FASTHOOKS_NVRTC=$(CURDIR)/$(NVRTC_CU12_DIR)/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 \
+		FASTHOOKS_REQUIRE_NVRTC=1 FASTHOOKS_CACHE_DIR=$(CURDIR)/build/kernel-cache-cu12 \
+		$(WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -q -n 2 tests/test_cuda_compile.py
+	FASTHOOKS_CACHE_DIR=$(CURDIR)/build/kernel-cache $(WHEEL_VENV)/bin/python -P \
+		benchmarks/cuda_roofline.py --check docs/cuda.md --out build/cuda/roofline > /dev/null
 
 # One abi3 wheel built against the CPU torch, which serves every torch >= 2.10, tagged for
 # manylinux_2_28 as torch's own wheels are, and any older policy its symbols allow (auditwheel
@@ -159,16 +159,25 @@ wheel: $(VENV)/.ready
 sdist: $(VENV)/.ready
 	$(VENV)/bin/python -m build --sdist --no-isolation --outdir dist . 2>&1 | tail -n 1
 
-# That wheel installed beside another torch (2.14.1, whose CUDA build runs on the CPU too): the
-# suite's CPU tests there, with the extension required to load.
-## test-wheel: that wheel installed beside torch 2.14.1, and the suite run there
-test-wheel: wheel $(CUDA_VENV)/.ready
-	rm -rf $(WHEEL_CHECK)
-	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) --no-deps --target $(WHEEL_CHECK) \
-		dist/fasthooks-*-abi3-*x86_64.whl 2>&1 | $(PIP_FILTER)
-	PYTHONPATH=$(WHEEL_CHECK) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_WHEEL_DIR=$(WHEEL_CHECK) \
-		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU:torch==%=%) FASTHOOKS_REQUIRE_MODEL_ZOO=1 \
-		$(CUDA_VENV)/bin/pytest -p no:cacheprovider -n 2 -m "not cuda_on_cpu"
+# That wheel installed with pip into a fresh virtual environment that sees the CUDA venv's
+# packages (torch 2.14.1, a CUDA 13.0 build, which runs on the CPU too, with its NVRTC): the suite
+# there, with the extension required to load, every CUDA kernel compiled for sm_80 to sm_120.
+## wheel-venv: the x86-64 wheel built and installed into build/wheel-venv beside torch 2.14.1
+wheel-venv: wheel $(CUDA_VENV)/.ready
+	rm -rf $(WHEEL_VENV)
+	$(CUDA_VENV)/bin/python -m venv $(WHEEL_VENV)
+	$(CUDA_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])" > \
+		$$($(WHEEL_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])")/cuda-venv.pth
+	$(WHEEL_VENV)/bin/pip install $(PIP_QUIET) --no-deps dist/fasthooks-*-abi3-*x86_64.whl 2>&1 | \
+		$(PIP_FILTER)
+
+## test-wheel: that wheel installed beside torch 2.14.1 (CUDA 13.0), and the suite run there
+test-wheel: wheel-venv
+	FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_NVRTC=1 FASTHOOKS_REQUIRE_MODEL_ZOO=1 \
+		FASTHOOKS_WHEEL_DIR=$$($(WHEEL_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])") \
+		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU:torch==%=%) \
+		FASTHOOKS_CACHE_DIR=$(CURDIR)/build/kernel-cache \
+		$(WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -n 2 -m "not cuda_on_cpu"
 
 # The sdist installed with pip (no build isolation, against .venv's torch) into a folder of its
 # own, and the operator's tests run on that build.
@@ -187,8 +196,8 @@ test-sdist: $(VENV)/.ready
 docs: $(VENV)/.ready
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
-TEST_STAGES := lint docs test-cpu test-isa test-sdist test-wheel test-cuda-build
-## test: everything CI runs: lint, docs, CPU suite, ISA matrix, sdist, wheel, CUDA build
+TEST_STAGES := lint docs test-cpu test-isa test-sdist test-wheel test-cuda-kernels
+## test: everything CI runs: lint, docs, CPU suite, ISA matrix, sdist, wheel, CUDA kernels
 test:
 	@for stage in $(TEST_STAGES); do \
 		start=$$(date +%s); \
@@ -221,9 +230,9 @@ bench-monitors: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/parameter_monitors.py --out results/parameter_monitors
 
 ## bench-roofline: the CUDA kernels' instructions per element from their SASS (no GPU needed)
-bench-roofline: $(CUDA_VENV)/.ready
-	CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} $(CUDA_VENV)/bin/python benchmarks/cuda_roofline.py \
-		--out results/cuda_roofline
+bench-roofline:
+	test -x $(WHEEL_VENV)/bin/python || $(MAKE) --no-print-directory wheel-venv
+	$(WHEEL_VENV)/bin/python -P benchmarks/cuda_roofline.py --out results/cuda_roofline
 
 ## bench-allreduce: all_reduce over 2, 4 and 8 gloo processes
 bench-allreduce: build

@@ -156,6 +156,32 @@ def test_the_extension_links_torch_through_its_stable_c_abi_only():
     assert {"aoti_torch_library_init_def", "torch_library_impl"} <= set(symbols)
 
 
+
+# What manylinux_2_28 allows (glibc 2.28, GCC 8's libstdc++).
+NEWEST_ALLOWED = {"GLIBC": (2, 28), "GLIBCXX": (3, 4, 24), "CXXABI": (1, 3, 11)}
+
+
+@FUSED
+def test_the_extension_needs_nothing_newer_than_manylinux_2_28_and_links_no_cuda():
+    origin = importlib.util.find_spec("fasthooks._C").origin
+    listing = subprocess.run(
+        [shutil.which("objdump") or "objdump", "-T", "-p", origin],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    versions = set(re.findall(r"\b(GLIBC|GLIBCXX|CXXABI)_([0-9.]+)\b", listing))
+    assert ("GLIBC", "2.2.5") in versions or any(lib == "GLIBC" for lib, _ in versions)
+    too_new = [
+        f"{lib}_{v}"
+        for lib, v in versions
+        if tuple(int(part) for part in v.split(".")) > NEWEST_ALLOWED[lib]
+    ]
+    assert too_new == [], too_new
+    needed = re.findall(r"NEEDED\s+(\S+)", listing)
+    assert needed and not [lib for lib in needed if re.search(r"cuda|nvrtc|cublas", lib)], needed
+
+
 @pytest.mark.skipif(
     not os.environ.get("FASTHOOKS_WHEEL_DIR"),
     reason="only for the wheel installed beside another torch (FASTHOOKS_WHEEL_DIR, make test)",

@@ -78,10 +78,6 @@ def _functions(library: Path) -> dict[str, list[str]]:
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 kernel builds only")
 def test_vector_instructions_only_in_their_kernel_units():
     functions = _functions(_extension())
-    if any("accumulate_cuda" in name for name in functions):
-        # nvcc's host code and the CUDA runtime it brings are not ours to constrain; the CPU
-        # build holds the same kernel units and is checked.
-        pytest.skip("a CUDA build: the CPU build checks the kernel units")
     outside, seen = [], set()
     for name, instructions in functions.items():
         used = _instruction_sets(instructions)
