@@ -7,7 +7,8 @@ CUDA_VENV := .venv-cuda
 WHEEL_VENV := build/wheel-venv
 # The CPU build of torch for everyday use; the CUDA build (CUDA 13.0 and its NVRTC) beside the
 # wheel, to compile the CUDA kernels with the NVRTC a GPU user has.
-TORCH_CPU := torch==2.13.0
+TORCH_CPU_VERSION := 2.13.0
+TORCH_CPU := torch==$(TORCH_CPU_VERSION)
 TORCH_CUDA := torch==2.14.1
 PIP_QUIET := -q --disable-pip-version-check
 # The training frameworks that the integration tests drive. fastai's Learner and callbacks need
@@ -175,7 +176,7 @@ wheel-venv: wheel $(CUDA_VENV)/.ready
 test-wheel: wheel-venv
 	FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_NVRTC=1 FASTHOOKS_REQUIRE_MODEL_ZOO=1 \
 		FASTHOOKS_WHEEL_DIR=$$($(WHEEL_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])") \
-		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU:torch==%=%) \
+		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU_VERSION) \
 		FASTHOOKS_CACHE_DIR=$(CURDIR)/build/kernel-cache \
 		$(WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -n 2 -m "not cuda_on_cpu"
 

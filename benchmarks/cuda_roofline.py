@@ -46,7 +46,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from cuda_resources import ROOT, Kernel, access_bytes, blocks_by_registers, disassemble, registers
+# python -P (the installed fasthooks, not the checkout's) leaves this folder off sys.path.
+sys.path.append(str(Path(__file__).resolve().parent))
+from cuda_resources import (
+    ROOT,
+    Kernel,
+    access_bytes,
+    blocks_by_registers,
+    disassemble,
+    registers,
+)
 
 KERNEL_LAYOUT = ROOT / "csrc" / "cuda" / "kernel_layout.h"
 ELEMENT_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}

@@ -12,6 +12,7 @@ import pytest
 from conftest import FUSED
 
 from fasthooks import ops
+from fasthooks.layout import EXTRAS
 
 pytestmark = FUSED
 
@@ -88,3 +89,33 @@ def test_vector_instructions_only_in_their_kernel_units():
             outside.append((name, sorted(used - allowed)))
     assert seen == {"avx", "avx512"}, "no AVX-512 code found: the check would prove nothing"
     assert not outside, outside
+
+
+@pytest.mark.isa
+def test_a_recording_run_matches_the_python_backend():
+    # A few training steps of a small CNN with every statistic and a histogram, forward and
+    # backward, recorded by this CPU's kernels and by the python backend.
+    import torch
+    from torch import nn
+
+    from fasthooks import ActivationStats
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).to(
+        memory_format=torch.channels_last
+    )
+    options = dict(extra=EXTRAS, hist_bins=16, hist_range=(-3, 3))
+    runs = []
+    for backend in ("fused", "python"):
+        forward = ActivationStats(model, backend=backend, **options)
+        backward = ActivationStats(model, backend=backend, is_forward=False, **options)
+        with forward, backward:
+            for step in range(3):
+                x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step))
+                model(x).square().mean().backward()
+                forward.on_batch_end()
+                backward.on_batch_end()
+        runs.append([forward.stats, *forward.extra.values(), forward.hist, backward.stats])
+    assert runs[0][0].shape == (2, 2, 3)  # the conv and the linear layer, three batches
+    for fused, python in zip(*runs, strict=True):
+        torch.testing.assert_close(fused, python, rtol=1e-5, atol=1e-6, equal_nan=True)
