@@ -156,7 +156,6 @@ def test_the_extension_links_torch_through_its_stable_c_abi_only():
     assert {"aoti_torch_library_init_def", "torch_library_impl"} <= set(symbols)
 
 
-
 # What manylinux_2_28 allows (glibc 2.28, GCC 8's libstdc++).
 NEWEST_ALLOWED = {"GLIBC": (2, 28), "GLIBCXX": (3, 4, 24), "CXXABI": (1, 3, 11)}
 
@@ -289,4 +288,3 @@ def test_python_m_fasthooks_says_what_it_holds_and_checks_its_kernels():
             assert re.search(rf"^ *{key}: ", run.stdout, re.M), run.stdout
     else:
         assert run.returncode == 1 and "did not load" in run.stdout
-

@@ -99,10 +99,9 @@ const DeviceFacts& facts_of(int device) {
   if (facts == nullptr) {
     CUcontext context = nullptr;
     check_cu(api().cuDevicePrimaryCtxRetain(&context, device), "retaining the device's context");
-    facts = new DeviceFacts{context,
-                            attribute(kAttributeMajor, device) * 10 +
-                                attribute(kAttributeMinor, device),
-                            attribute(kAttributeMultiprocessors, device)};
+    facts = new DeviceFacts{
+        context, attribute(kAttributeMajor, device) * 10 + attribute(kAttributeMinor, device),
+        attribute(kAttributeMultiprocessors, device)};
     device_facts[device].store(facts, std::memory_order_release);
   }
   return *facts;
@@ -125,8 +124,7 @@ const LoadedKernel& kernel_on(const KernelVariant& v, int device) {
   const std::lock_guard<std::mutex> lock(load_mutex);
   kernel = slot.load(std::memory_order_acquire);
   if (kernel == nullptr) {
-    const KernelImage image =
-        kernel_image(api(), setup().cache_dir, v, facts.arch, /*log=*/true);
+    const KernelImage image = kernel_image(api(), setup().cache_dir, v, facts.arch, /*log=*/true);
     make_current(device);
     CUmodule module = nullptr;
     check_cu(api().cuModuleLoadData(&module, image.image.c_str()), "loading the kernel");
@@ -172,10 +170,10 @@ struct CudaDriver {
     const LoadedKernel& kernel = kernel_on(v, device);
     make_current(device);
     void* params[] = {static_cast<void*>(&args)...};
-    check_cu(api().cuLaunchKernel(kernel.function, static_cast<unsigned>(blocks), 1, 1, kThreads,
-                                  1, 1, static_cast<unsigned>(shared_bytes(v)), stream, params,
-                                  nullptr),
-             "kernel launch");
+    check_cu(
+        api().cuLaunchKernel(kernel.function, static_cast<unsigned>(blocks), 1, 1, kThreads, 1, 1,
+                             static_cast<unsigned>(shared_bytes(v)), stream, params, nullptr),
+        "kernel launch");
   }
 };
 
@@ -196,8 +194,7 @@ extern "C" {
 // Name i of the functions fasthooks_cuda_setup takes, or null past the last.
 const char* fasthooks_cuda_api_name(int i) {
   using fasthooks::cuda::kApiFunctions;
-  return i >= 0 && static_cast<size_t>(i) < kApiFunctions ? fasthooks::cuda::kApiNames[i]
-                                                          : nullptr;
+  return i >= 0 && static_cast<size_t>(i) < kApiFunctions ? fasthooks::cuda::kApiNames[i] : nullptr;
 }
 
 // Hands over the functions (in fasthooks_cuda_api_name's order; null where not found) and the
@@ -220,7 +217,8 @@ int fasthooks_cuda_compile(int dtype, int list, int full, int hist, int diff, in
   using namespace fasthooks::cuda;
   try {
     const KernelVariant v = variant_of(dtype, list != 0, full != 0, hist != 0, diff != 0);
-    const KernelImage image = kernel_image(compiler_api(), setup().cache_dir, v, arch, /*log=*/false);
+    const KernelImage image =
+        kernel_image(compiler_api(), setup().cache_dir, v, arch, /*log=*/false);
     copy_out(image.path, out, out_size);
     return image.compiled ? 1 : 0;
   } catch (const std::exception& error) {

@@ -1,7 +1,7 @@
-// Device code of fasthooks::accumulate_stats on CUDA, the workspace it uses and how a call is cut
-// into blocks. nvcc compiles it for accumulate_cuda.cu; tests/cuda_on_cpu/ compiles the same file
-// for the host against an emulation of the device API and runs it on the CPU. So it holds no
-// host runtime call: what needs a device (streams, occupancy, launches) is in accumulate_cuda.cu.
+// Device code of fasthooks::accumulate_stats on CUDA. NVRTC compiles it where it runs, one kernel
+// instantiation at a time (kernel_compiler.cpp); tests/cuda_on_cpu/ compiles the same file for the
+// host against an emulation of the device API and runs it on the CPU. So it holds no host runtime
+// call: what needs a device (streams, occupancy, launches) is in accumulate_cuda.cpp.
 //
 // Every thread keeps central moments, extremes and counts of a grid-stride range, summing powers
 // of (x - its running mean) segment by segment; blocks merge them into partials in the

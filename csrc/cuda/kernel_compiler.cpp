@@ -107,10 +107,10 @@ bool parse(const std::string& contents, KernelImage& out) {
 
 KernelImage compile(const CudaApi& api, const KernelVariant& v, const std::string& target) {
   nvrtcProgram program = nullptr;
-  check_nvrtc(api,
-              api.nvrtcCreateProgram(&program, kKernelSource, "fasthooks_kernels.cu", 0, nullptr,
-                                     nullptr),
-              "creating the program");
+  check_nvrtc(
+      api,
+      api.nvrtcCreateProgram(&program, kKernelSource, "fasthooks_kernels.cu", 0, nullptr, nullptr),
+      "creating the program");
   struct Destroy {
     const CudaApi& api;
     nvrtcProgram& program;
@@ -136,11 +136,13 @@ KernelImage compile(const CudaApi& api, const KernelVariant& v, const std::strin
   out.lowered_name = lowered;
   const bool ptx = target.rfind("compute_", 0) == 0;
   size_t size = 0;
-  check_nvrtc(api, ptx ? api.nvrtcGetPTXSize(program, &size) : api.nvrtcGetCUBINSize(program, &size),
+  check_nvrtc(api,
+              ptx ? api.nvrtcGetPTXSize(program, &size) : api.nvrtcGetCUBINSize(program, &size),
               "sizing the image");
   out.image.resize(size);
-  check_nvrtc(api, ptx ? api.nvrtcGetPTX(program, out.image.data())
-                       : api.nvrtcGetCUBIN(program, out.image.data()),
+  check_nvrtc(api,
+              ptx ? api.nvrtcGetPTX(program, out.image.data())
+                  : api.nvrtcGetCUBIN(program, out.image.data()),
               "reading the image");
   out.compiled = true;
   return out;
@@ -180,8 +182,8 @@ KernelImage kernel_image(const CudaApi& api, const std::string& cache_dir, const
   std::snprintf(hash, sizeof(hash), "%016llx",
                 static_cast<unsigned long long>(
                     fingerprint({kKernelSource, name_expression(v), target, version})));
-  const std::string stem = cache_dir + "/" + variant_label(v) + "-" + target + "-nvrtc" + version +
-                           "-" + hash;
+  const std::string stem =
+      cache_dir + "/" + variant_label(v) + "-" + target + "-nvrtc" + version + "-" + hash;
   const std::string path = stem + ".bin";
   KernelImage image;
   std::string contents;

@@ -1,7 +1,7 @@
 """The CUDA operator run on the CPU: its host side and its kernels' device code.
 
-`harness.cpp` compiles `csrc/cuda/operator_host.h` (the host side accumulate_cuda.cu uses) over an
-emulated device and `csrc/cuda/accumulate_kernel.cuh` (the file nvcc compiles) against
+`harness.cpp` compiles `csrc/cuda/operator_host.h` (the host side accumulate_cuda.cpp uses) over an
+emulated device and `csrc/cuda/accumulate_kernel.cuh` (the source NVRTC compiles) against
 `device_api.h`, an emulation of the CUDA device API, and registers them as
 `torch.ops.fasthooks_cuda_on_cpu.accumulate_stats(_list)`, with fasthooks._C's schemas, for CPU
 tensors: the CUDA operator's own checks, dense-or-copy choices, grouping by dtype and launch

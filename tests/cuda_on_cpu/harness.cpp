@@ -1,6 +1,6 @@
 // The CUDA operator of fasthooks built for the host: its host side (csrc/cuda/operator_host.h,
-// the file accumulate_cuda.cu uses) over an emulated device, and its kernels
-// (csrc/cuda/accumulate_kernel.cuh, the file nvcc compiles) against device_api.h. The operators
+// the file accumulate_cuda.cpp uses) over an emulated device, and its kernels
+// (csrc/cuda/accumulate_kernel.cuh, the source NVRTC compiles) against device_api.h. The operators
 // are registered as fasthooks_cuda_on_cpu::accumulate_stats(_list), with the schemas of
 // fasthooks._C, on CPU tensors; a C interface serves tests/cuda_on_cpu/__init__.py the rest. The
 // stream a call comes from is a number set per thread, and the resident-block count is that of an
