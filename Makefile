@@ -37,7 +37,7 @@ export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 .PHONY: help setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa \
 	test-cuda-kernels test-wheel test-sdist wheel wheel-venv sdist docs lint bench bench-train bench-quick \
 	bench-cpu bench-params bench-monitors bench-nonfinite bench-window bench-allreduce bench-abi \
-	bench-roofline clean
+	bench-roofline bench-compile clean
 
 ## help: this list of targets
 help:
@@ -234,6 +234,11 @@ bench-monitors: build
 bench-roofline:
 	test -x $(WHEEL_VENV)/bin/python || $(MAKE) --no-print-directory wheel-venv
 	$(WHEEL_VENV)/bin/python -P benchmarks/cuda_roofline.py --out results/cuda_roofline
+
+## bench-compile: what the first use of each CUDA kernel costs, NVRTC compiling for sm_90
+bench-compile:
+	test -x $(WHEEL_VENV)/bin/python || $(MAKE) --no-print-directory wheel-venv
+	$(WHEEL_VENV)/bin/python -P benchmarks/kernel_compile.py --arch 90 --out results/kernel_compile
 
 ## bench-allreduce: all_reduce over 2, 4 and 8 gloo processes
 bench-allreduce: build

@@ -237,11 +237,12 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
     const int64_t segment_loads = rest < kSegmentLoads ? rest : kSegmentLoads;
     const int64_t end = begin + segment_loads * step;
     PowerSums<double> sums;
-    for (int64_t i = begin; i < end; i += kLoadsInFlight * step) {
-      Load<T, Width> v[kLoadsInFlight];
-      Load<T, Width> b[kLoadsInFlight];
+    constexpr int kInFlight = kLoadsInFlight<Full, Hist>;
+    for (int64_t i = begin; i < end; i += kInFlight * step) {
+      Load<T, Width> v[kInFlight];
+      Load<T, Width> b[kInFlight];
 #pragma unroll
-      for (int u = 0; u < kLoadsInFlight; ++u) {
+      for (int u = 0; u < kInFlight; ++u) {
         if (i + u * step < end) {
           v[u] = r.x[i + u * step];
           b[u] = r.base_at(i + u * step);
@@ -249,7 +250,7 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
       }
       PowerSums<Acc> group;
 #pragma unroll
-      for (int u = 0; u < kLoadsInFlight; ++u) {
+      for (int u = 0; u < kInFlight; ++u) {
         if (i + u * step < end) {
           add_load<Acc, Full, Hist, Diff>(v[u], b[u], shift, near_zero, table, hist, group, e);
         }

@@ -15,8 +15,10 @@ constexpr int kWarps = kThreads / 32;
 // 65536 / (3 * 256) = 85 registers a thread.
 constexpr int kMinBlocksPerSM = 3;
 constexpr int kVecBytes = 16;
-// Loads a thread issues before it uses the first of them.
-constexpr int kLoadsInFlight = 2;
+// Loads a thread issues before it uses the first of them: four where only mean and std are
+// kept (registers to spare), two beside every statistic's registers.
+template <bool Full, bool Hist>
+constexpr int kLoadsInFlight = Full || Hist ? 2 : 4;
 // Per-block partial results: one Stats, as the state planes.
 constexpr int64_t kPartials = kFullPlanes;
 // Shared memory is sized for the most bins fasthooks/layout.py allows.
