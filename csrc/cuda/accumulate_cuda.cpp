@@ -116,6 +116,21 @@ void make_current(int device) {
   }
 }
 
+// Relaxed stream capture on this thread while it lives: a kernel's first use may come while a
+// CUDA graph is being captured, and loading a module is not allowed in the stricter modes.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() {
+    check_cu(api().cuThreadExchangeStreamCaptureMode(&mode_), "relaxing capture");
+  }
+  ~RelaxedCapture() { api().cuThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  int mode_ = kCaptureModeRelaxed;
+};
+
 const LoadedKernel& kernel_on(const KernelVariant& v, int device) {
   const DeviceFacts& facts = facts_of(device);
   std::atomic<const LoadedKernel*>& slot = loaded[device][variant_index(v)];
@@ -126,6 +141,7 @@ const LoadedKernel& kernel_on(const KernelVariant& v, int device) {
   if (kernel == nullptr) {
     const KernelImage image = kernel_image(api(), setup().cache_dir, v, facts.arch, /*log=*/true);
     make_current(device);
+    const RelaxedCapture relaxed;
     CUmodule module = nullptr;
     check_cu(api().cuModuleLoadData(&module, image.image.c_str()), "loading the kernel");
     CUfunction function = nullptr;

@@ -22,6 +22,7 @@ constexpr int kAttributeMultiprocessors = 16;
 constexpr int kAttributeMajor = 75;
 constexpr int kAttributeMinor = 76;
 constexpr int kCaptureStatusNone = 0;
+constexpr int kCaptureModeRelaxed = 2;
 
 using nvrtcProgram = struct _nvrtcProgram*;
 using nvrtcResult = int;
@@ -37,6 +38,7 @@ struct CudaApi {
   CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, CUstream, void**, void**);
   CUresult (*cuStreamIsCapturing)(CUstream, int*);
+  CUresult (*cuThreadExchangeStreamCaptureMode)(int*);
   CUresult (*cuGetErrorString)(CUresult, const char**);
   nvrtcResult (*nvrtcVersion)(int*, int*);
   nvrtcResult (*nvrtcGetNumSupportedArchs)(int*);
@@ -69,6 +71,7 @@ constexpr const char* kApiNames[] = {
     "cuOccupancyMaxActiveBlocksPerMultiprocessor",
     "cuLaunchKernel",
     "cuStreamIsCapturing",
+    "cuThreadExchangeStreamCaptureMode",
     "cuGetErrorString",
     "nvrtcVersion",
     "nvrtcGetNumSupportedArchs",
