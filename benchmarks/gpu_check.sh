@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine: install the wheel `make wheel` built (dist/, for this machine's platform),
 # time the first use of its CUDA kernels, run the CUDA tests, then the CUDA benchmarks. Each stage
-# has a time limit and a failing stage does not stop the next; at most eight files land in the
+# has a time limit and a failing stage does not stop the next; at most nine files land in the
 # folder given (status.txt says how each stage ended). Uses the python3 on PATH (or $PYTHON),
 # which must have a CUDA build of torch, pytest and tqdm. Python runs with -P, so that the
 # installed package is the one imported, not the source tree.
@@ -57,6 +57,10 @@ for dtype in float32 bfloat16; do
     --device cuda --dtype "$dtype" --sizes-mb 1 4 16 64 256 1024 --out "$scratch/op_$dtype"
   cp "$scratch/op_$dtype/results.md" "$out/op_throughput_$dtype.md" 2>/dev/null
 done
+
+# Each kernel's time over torch.sum beside what docs/cuda.md's count of its SASS predicts.
+stage roofline 60 "$out/bench.log" "$python" -P benchmarks/roofline_vs_measured.py \
+  "$scratch"/op_*/results.json --out "$out/roofline_vs_measured.md"
 
 stage training_step 150 "$out/bench.log" "$python" -P benchmarks/gpu_training_step.py \
   --out "$scratch/training_step"

@@ -1,6 +1,7 @@
 """The training benchmark's --quick mode writes what it promises (structure, never timings)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 from conftest import FUSED, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
+MODES = ("mean+std", "every extra", "every extra + hist")
 VARIANTS = [
     "no hooks",
     "fastai v1 hook (reproduced)",
@@ -155,3 +157,36 @@ def test_the_parameter_monitors_benchmark_writes_its_tables_and_goals(tmp_path):
     verdicts = [g.rsplit(": ", 1)[-1] for g in results["goals"]]
     assert len(verdicts) == 5 and set(verdicts) <= {"met", "NOT met"}, results["goals"]
     assert all(results["larger_batch_s"][k] > 0 for k in ("bare", "fused", "hooks"))
+
+
+def test_roofline_vs_measured_puts_the_sass_prediction_beside_the_timing(tmp_path):
+    results = {
+        "machine": "NVIDIA H200",
+        "dtype": "bfloat16",
+        "sum_vs_fused": [
+            {"size_mb": size, **{f"{m}_over_sum": ratio for m in MODES}}
+            for size, ratio in ((1, 9.0), (1024, 2.5))
+        ],
+    }
+    (tmp_path / "r.json").write_text(json.dumps(results))
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "roofline_vs_measured.py"),
+            str(tmp_path / "r.json"),
+            "--out",
+            str(tmp_path / "out.md"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    page = (ROOT / "docs" / "cuda.md").read_text()
+    for mode, name in (("mean and std", "mean and std"), ("every extra", "every statistic")):
+        stated = re.search(
+            rf"\| bfloat16, {name} \| H200 \(sm_90\) \|[^|]*\|[^|]*\| ([\d.]+) \|", page
+        )
+        bound = float(stated.group(1))
+        row = f"| bfloat16, {name} | 1024 | {bound} | {max(1.0, 1 / bound):.2f} | 2.50 |"
+        assert row in run.stdout, (mode, run.stdout)
+    assert (tmp_path / "out.md").read_text() == run.stdout
