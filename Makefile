@@ -19,7 +19,7 @@ FRAMEWORKS := lightning==2.6.6 $(TRANSFORMERS)
 MONITORS := wandb==0.31.0
 FASTAI := fastai==2.8.12
 FASTAI_DEPS := fastcore fastdownload fastprogress fasttransform plum-dispatch requests cloudpickle
-# Real architectures for the model-zoo test, beside the CUDA build's torch 2.14.1: timm needs
+# Real architectures for the model-zoo test, beside the CUDA venv's torch 2.14.1: timm needs
 # torchvision, and PyPI's torchvision does not import beside torch 2.13.0.
 MODEL_ZOO := torchvision==0.29.1 timm==1.0.31 $(TRANSFORMERS)
 # nvdisasm for benchmarks/cuda_roofline.py: the toolkit's (nvcc 13.0) has none, and the oldest

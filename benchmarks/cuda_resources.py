@@ -120,9 +120,7 @@ def cubin(kernel: Kernel, arch: str) -> tuple[str, bytes]:
         diff=kernel.diff,
         list_=kernel.is_list,
     )
-    # A cache file holds the lowered name, a newline, then the image.
-    name, _, image = Path(path).read_bytes().partition(b"\n")
-    return name.decode(), image
+    return cuda_setup.read_kernel(path)
 
 
 def disassemble(archs: list[str]) -> dict[tuple[Kernel, str], tuple[str, str]]:

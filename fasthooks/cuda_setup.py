@@ -17,6 +17,7 @@ import ctypes
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,10 @@ def cache_dir() -> str:
     """Where compiled kernels are kept: FASTHOOKS_CACHE_DIR, else the user's cache directory."""
     if os.environ.get("FASTHOOKS_CACHE_DIR"):
         return os.path.abspath(os.environ["FASTHOOKS_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    home = os.path.expanduser("~")
+    if home == "~":  # no home directory (a container user without a passwd entry)
+        home = os.path.join(tempfile.gettempdir(), f"fasthooks-{os.getuid()}")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
     return os.path.join(base, "fasthooks", "cuda-kernels")
 
 
@@ -50,8 +54,8 @@ def nvrtc_candidates() -> list[Path]:
     """NVRTC libraries where CUDA builds of torch put them (their nvidia packages, torch/lib),
     then a CUDA toolkit's; those of torch's own CUDA major version first."""
     found: list[Path] = []
-    for entry in sys.path:
-        base = Path(entry or ".")
+    for entry in filter(None, sys.path):  # not the working directory ("")
+        base = Path(entry)
         for pattern in ("nvidia/cu*/lib/libnvrtc.so.*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*"):
             found += sorted(base.glob(pattern))
         found += sorted((base / "torch" / "lib").glob("libnvrtc*.so*"))
@@ -114,7 +118,8 @@ def configure() -> CudaSetup:
         names.append(name.decode())
     missing = []
     if not torch.version.cuda:
-        missing.append(f"torch {torch.__version__} is a CPU build")
+        kind = "ROCm" if torch.version.hip else "CPU"
+        missing.append(f"torch {torch.__version__} is a {kind} build")
     try:
         driver = ctypes.CDLL("libcuda.so.1")
     except OSError as error:
@@ -160,6 +165,15 @@ def target(arch: int) -> str:
     return out.value.decode().split(" ")[1]
 
 
+def prepare(device: int) -> str | None:
+    """Makes the CUDA kernels ready on CUDA device `device` (the smallest one compiled or found in
+    the cache, and loaded, as every other needs): None, or why they cannot run there."""
+    out = ctypes.create_string_buffer(_OUT_SIZE)
+    if _extension().fasthooks_cuda_prepare(device, out, ctypes.c_size_t(_OUT_SIZE)) != 0:
+        return out.value.decode()
+    return None
+
+
 def compile_kernel(
     dtype: torch.dtype,
     arch: int,
@@ -178,3 +192,11 @@ def compile_kernel(
     if done < 0:
         raise RuntimeError(out.value.decode())
     return done == 1, out.value.decode()
+
+
+def read_kernel(path: str) -> tuple[str, bytes]:
+    """(lowered name, image: a cubin or PTX) of a kernel cache file (kernel_compiler.cpp)."""
+    header, name, size, image = Path(path).read_bytes().split(b"\n", 3)
+    if not header.startswith(b"fasthooks kernel cache") or int(size) != len(image):
+        raise ValueError(f"{path} is not a whole kernel cache file")
+    return name.decode(), image

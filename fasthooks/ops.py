@@ -164,6 +164,20 @@ def cuda_status() -> cuda_setup.CudaSetup:
     return _cuda_setup
 
 
+_cuda_prepared: dict[int, str | None] = {}
+
+
+def _cuda_failure(device: torch.device) -> str | None:
+    """Why the CUDA kernels cannot run on `device`, or None: what is missing, else what failed
+    when the first of them was compiled and loaded there (once per device)."""
+    if cuda_status().unavailable:
+        return cuda_status().unavailable
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cuda_prepared:
+        _cuda_prepared[index] = cuda_setup.prepare(index)
+    return _cuda_prepared[index]
+
+
 def has_kernel_for(device_type: str) -> bool:
     """Whether the loaded extension registered `accumulate_stats` for a device type ("cuda")."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(
@@ -185,8 +199,8 @@ def backend_for_device(backend: str, requested: str, device: torch.device) -> st
         return backend
     if not has_kernel_for(device.type):
         why = f"this build of fasthooks._C has no {device.type} kernel"
-    elif device.type == "cuda" and cuda_status().unavailable:
-        why = f"its CUDA kernels cannot run here: {cuda_status().unavailable}"
+    elif device.type == "cuda" and (failure := _cuda_failure(device)):
+        why = f"its CUDA kernels cannot run here: {failure}"
     else:
         return backend
     if requested == "fused":

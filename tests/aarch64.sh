@@ -56,7 +56,7 @@ rm -rf "$dir/lib"
 # setup.py with the cross compiler, against torch 2.10.0's aarch64 libraries.
 cross() {
 	(cd "$repo" && CC=aarch64-linux-gnu-gcc CXX=aarch64-linux-gnu-g++ \
-		LDSHARED="aarch64-linux-gnu-g++ -shared" FASTHOOKS_NO_CUDA=1 \
+		LDSHARED="aarch64-linux-gnu-g++ -shared" \
 		CFLAGS="-I$dir/root/usr/include/aarch64-linux-gnu/python3.11" \
 		LDFLAGS="-L$dir/site/torch/lib" "$python" setup.py -q "$@" 2>&1 |
 		{ grep -v '^\[' || true; })

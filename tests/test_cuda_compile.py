@@ -49,8 +49,8 @@ def fresh_cache(tmp_path, monkeypatch):
 
 def _image(path: str) -> tuple[bytes, bytes]:
     """(lowered name, image) of a cache file."""
-    name, _, image = Path(path).read_bytes().partition(b"\n")
-    return name, image
+    name, image = cuda_setup.read_kernel(path)
+    return name.encode(), image
 
 
 def test_nvrtc_is_found():
@@ -145,6 +145,7 @@ def test_without_a_driver_auto_runs_python_and_fused_is_refused(monkeypatch):
     assert why in str(warned[0].message)
     with pytest.raises(RuntimeError, match="backend='fused' on cuda"):
         ops.backend_for_device("fused", "fused", cuda)
+    assert why in cuda_setup.prepare(0)
 
 
 def test_python_m_fasthooks_says_what_it_found():

@@ -25,7 +25,7 @@ def test_every_kernel_holds_three_blocks_per_sm_as_the_docs_say():
     resources = _module()
     why = resources.missing()
     if why is not None and not REQUIRED:
-        pytest.skip(f"needs NVRTC and nvdisasm (the CUDA build's run): {why}")
+        pytest.skip(f"needs NVRTC and nvdisasm (make test-wheel): {why}")
     assert why is None
     archs = ["80", "90"]
     table = resources.resources(resources.disassemble(archs))

@@ -1,6 +1,6 @@
 """benchmarks/cuda_roofline.py's reading of SASS, on a hand-written listing (no NVRTC needed).
 
-make test-cuda-build checks its table of the real kernels against docs/cuda.md."""
+make test-cuda-kernels checks its table of the real kernels against docs/cuda.md."""
 
 import importlib
 import re

@@ -83,7 +83,7 @@ std::mutex load_mutex;
 std::atomic<const DeviceFacts*> device_facts[kMaxDevices] = {};
 std::atomic<const LoadedKernel*> loaded[kMaxDevices][kVariants] = {};
 
-int attribute(int which, int device) {
+int attribute(int which, CUdevice device) {
   int value = 0;
   check_cu(api().cuDeviceGetAttribute(&value, which, device), "reading a device attribute");
   return value;
@@ -97,23 +97,25 @@ const DeviceFacts& facts_of(int device) {
   const std::lock_guard<std::mutex> lock(load_mutex);
   facts = device_facts[device].load(std::memory_order_acquire);
   if (facts == nullptr) {
+    CUdevice handle = 0;
+    check_cu(api().cuDeviceGet(&handle, device), "finding the device");
     CUcontext context = nullptr;
-    check_cu(api().cuDevicePrimaryCtxRetain(&context, device), "retaining the device's context");
+    check_cu(api().cuDevicePrimaryCtxRetain(&context, handle), "retaining the device's context");
     facts = new DeviceFacts{
-        context, attribute(kAttributeMajor, device) * 10 + attribute(kAttributeMinor, device),
-        attribute(kAttributeMultiprocessors, device)};
+        context, attribute(kAttributeMajor, handle) * 10 + attribute(kAttributeMinor, handle),
+        attribute(kAttributeMultiprocessors, handle)};
     device_facts[device].store(facts, std::memory_order_release);
   }
   return *facts;
 }
 
-// Threads that never called the CUDA runtime (autograd's, say) may have no context current.
+// The device's primary context (torch's) current on this thread: threads that never called the
+// CUDA runtime (autograd's, say) may have none, or another device's.
 void make_current(int device) {
+  const CUcontext context = facts_of(device).context;
   CUcontext current = nullptr;
   check_cu(api().cuCtxGetCurrent(&current), "reading the current context");
-  if (current == nullptr) {
-    check_cu(api().cuCtxSetCurrent(facts_of(device).context), "making the context current");
-  }
+  if (current != context) check_cu(api().cuCtxSetCurrent(context), "making the context current");
 }
 
 // Relaxed stream capture on this thread while it lives: a kernel's first use may come while a
@@ -131,19 +133,37 @@ class RelaxedCapture {
   int mode_ = kCaptureModeRelaxed;
 };
 
+// The module of `image`, or null if the driver refuses it (with `status`).
+CUmodule load_module(const KernelImage& image, CUresult& status) {
+  CUmodule module = nullptr;
+  status = api().cuModuleLoadData(&module, image.image.c_str());
+  return status == kCudaSuccess ? module : nullptr;
+}
+
 const LoadedKernel& kernel_on(const KernelVariant& v, int device) {
-  const DeviceFacts& facts = facts_of(device);
+  FASTHOOKS_CHECK(device >= 0 && device < kMaxDevices, "accumulate_stats: CUDA device index ",
+                  device, " out of range");
   std::atomic<const LoadedKernel*>& slot = loaded[device][variant_index(v)];
   const LoadedKernel* kernel = slot.load(std::memory_order_acquire);
   if (kernel != nullptr) return *kernel;
+  const RelaxedCapture relaxed;
+  const DeviceFacts& facts = facts_of(device);
   const std::lock_guard<std::mutex> lock(load_mutex);
   kernel = slot.load(std::memory_order_acquire);
   if (kernel == nullptr) {
-    const KernelImage image = kernel_image(api(), setup().cache_dir, v, facts.arch, /*log=*/true);
+    const std::string& cache = setup().cache_dir;
+    KernelImage image = kernel_image(api(), cache, v, facts.arch, /*log=*/true);
     make_current(device);
-    const RelaxedCapture relaxed;
-    CUmodule module = nullptr;
-    check_cu(api().cuModuleLoadData(&module, image.image.c_str()), "loading the kernel");
+    CUresult status = kCudaSuccess;
+    CUmodule module = load_module(image, status);
+    if (module == nullptr && !image.compiled) {
+      // A cached image the driver refuses (damaged, or from an older driver's day): made anew.
+      image = kernel_image(api(), cache, v, facts.arch, /*log=*/true, /*refresh=*/true);
+      module = load_module(image, status);
+    }
+    check_cu(status, ("loading the kernel " + variant_label(v) + " (" +
+                      (image.path.empty() ? "compiled in memory" : image.path) + ")")
+                         .c_str());
     CUfunction function = nullptr;
     check_cu(api().cuModuleGetFunction(&function, module, image.lowered_name.c_str()),
              "finding the kernel");
@@ -237,6 +257,20 @@ int fasthooks_cuda_compile(int dtype, int list, int full, int hist, int diff, in
         kernel_image(compiler_api(), setup().cache_dir, v, arch, /*log=*/false);
     copy_out(image.path, out, out_size);
     return image.compiled ? 1 : 0;
+  } catch (const std::exception& error) {
+    copy_out(error.what(), out, out_size);
+    return -1;
+  }
+}
+
+// Makes the float32 mean-and-std kernel ready on CUDA device `device` (compiled or found in the
+// cache, and loaded): what every other kernel needs too. 0, or -1 with the error in `out`.
+int fasthooks_cuda_prepare(int device, char* out, size_t out_size) {
+  using namespace fasthooks::cuda;
+  try {
+    kernel_on(variant_of(0, false, false, false, false), device);
+    copy_out("", out, out_size);
+    return 0;
   } catch (const std::exception& error) {
     copy_out(error.what(), out, out_size);
     return -1;

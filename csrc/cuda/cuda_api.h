@@ -28,6 +28,7 @@ using nvrtcProgram = struct _nvrtcProgram*;
 using nvrtcResult = int;
 
 struct CudaApi {
+  CUresult (*cuDeviceGet)(CUdevice*, int);
   CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice);
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
   CUresult (*cuCtxGetCurrent)(CUcontext*);
@@ -62,6 +63,7 @@ struct CudaApi {
 // The names of CudaApi's members, in order: what fasthooks_cuda_setup's table holds. The driver's
 // come first (kDriverNames of them), then NVRTC's; the last is torch's.
 constexpr const char* kApiNames[] = {
+    "cuDeviceGet",
     "cuDeviceGetAttribute",
     "cuDevicePrimaryCtxRetain",
     "cuCtxGetCurrent",

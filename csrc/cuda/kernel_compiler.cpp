@@ -6,7 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -62,10 +64,11 @@ bool read_file(const std::string& path, std::string& out) {
   return got == 0;
 }
 
-// Writes `data` to a file of its own and renames it to `path`: a reader sees all of it or none.
+// Writes `data` to a file of its own (a unique name, even across the nodes of a shared file
+// system) and renames it to `path`: a reader sees all of it or none.
 bool write_atomically(const std::string& path, const std::string& data) {
-  const std::string temporary = path + ".tmp." + std::to_string(getpid());
-  const int fd = open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  std::string temporary = path + ".tmp.XXXXXX";
+  const int fd = mkstemp(temporary.data());
   if (fd < 0) return false;
   size_t done = 0;
   while (done < data.size()) {
@@ -73,8 +76,10 @@ bool write_atomically(const std::string& path, const std::string& data) {
     if (wrote <= 0) break;
     done += static_cast<size_t>(wrote);
   }
-  const bool ok = close(fd) == 0 && done == data.size();
-  if (ok && rename(temporary.c_str(), path.c_str()) == 0) return true;
+  const bool ok = fsync(fd) == 0 && close(fd) == 0 && done == data.size();
+  if (ok && chmod(temporary.c_str(), 0644) == 0 && rename(temporary.c_str(), path.c_str()) == 0) {
+    return true;
+  }
   unlink(temporary.c_str());
   return false;
 }
@@ -96,13 +101,25 @@ class FileLock {
   int fd_;
 };
 
-// A cache file holds the lowered name, a newline, then the image.
+// A cache file: a format line, the lowered name, the image's size, each on a line, then the image;
+// a file cut short or of another format is not used.
+constexpr const char* kFormat = "fasthooks kernel cache 1";
+
+std::string serialise(const KernelImage& image) {
+  return std::string(kFormat) + "\n" + image.lowered_name + "\n" +
+         std::to_string(image.image.size()) + "\n" + image.image;
+}
+
 bool parse(const std::string& contents, KernelImage& out) {
-  const size_t end = contents.find('\n');
-  if (end == std::string::npos || end == 0) return false;
-  out.lowered_name = contents.substr(0, end);
-  out.image = contents.substr(end + 1);
-  return !out.image.empty();
+  const size_t name_at = contents.find('\n');
+  if (name_at == std::string::npos || contents.compare(0, name_at, kFormat) != 0) return false;
+  const size_t size_at = contents.find('\n', name_at + 1);
+  const size_t image_at = contents.find('\n', size_at + 1);
+  if (size_at == std::string::npos || image_at == std::string::npos) return false;
+  out.lowered_name = contents.substr(name_at + 1, size_at - name_at - 1);
+  out.image = contents.substr(image_at + 1);
+  return !out.lowered_name.empty() && !out.image.empty() &&
+         contents.substr(size_at + 1, image_at - size_at - 1) == std::to_string(out.image.size());
 }
 
 KernelImage compile(const CudaApi& api, const KernelVariant& v, const std::string& target) {
@@ -175,7 +192,7 @@ std::string target_for(const CudaApi& api, int arch) {
 }
 
 KernelImage kernel_image(const CudaApi& api, const std::string& cache_dir, const KernelVariant& v,
-                         int arch, bool log) {
+                         int arch, bool log, bool refresh) {
   const std::string target = target_for(api, arch);
   const std::string version = nvrtc_version(api);
   char hash[17];
@@ -187,14 +204,14 @@ KernelImage kernel_image(const CudaApi& api, const std::string& cache_dir, const
   const std::string path = stem + ".bin";
   KernelImage image;
   std::string contents;
-  if (read_file(path, contents) && parse(contents, image)) {
+  if (!refresh && read_file(path, contents) && parse(contents, image)) {
     image.path = path;
     return image;
   }
   const bool cached = make_directories(cache_dir);
   const FileLock lock(cached ? stem + ".lock" : std::string());
   // Another process may have compiled it while this one waited for the lock.
-  if (cached && read_file(path, contents) && parse(contents, image)) {
+  if (!refresh && cached && read_file(path, contents) && parse(contents, image)) {
     image.path = path;
     return image;
   }
@@ -203,9 +220,12 @@ KernelImage kernel_image(const CudaApi& api, const std::string& cache_dir, const
                  variant_label(v).c_str(), target.c_str(), version.c_str());
   }
   image = compile(api, v, target);
-  if (cached && write_atomically(path, image.lowered_name + "\n" + image.image)) {
+  if (cached && write_atomically(path, serialise(image))) {
     image.path = path;
-  } else {
+    return image;
+  }
+  static std::atomic<bool> said{false};
+  if (!said.exchange(true)) {
     std::fprintf(stderr,
                  "fasthooks: could not write the CUDA kernel cache in %s (set FASTHOOKS_CACHE_DIR "
                  "to a writable directory): this process compiles its kernels for itself\n",

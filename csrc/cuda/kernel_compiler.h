@@ -27,10 +27,10 @@ std::string target_for(const CudaApi& api, int arch);
 std::string nvrtc_version(const CudaApi& api);
 
 // The image of kernel `v` for `arch`, from the cache in `cache_dir` or compiled now (and then
-// stored there, once however many processes ask at the same time). `log` says so on stderr, once
-// per kernel and process, when it compiles.
+// stored there, once however many processes ask at the same time); with `refresh`, compiled anew
+// whatever the cache holds. `log` says so on stderr when it compiles.
 KernelImage kernel_image(const CudaApi& api, const std::string& cache_dir, const KernelVariant& v,
-                         int arch, bool log);
+                         int arch, bool log, bool refresh = false);
 
 }  // namespace cuda
 }  // namespace fasthooks
