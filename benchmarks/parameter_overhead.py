@@ -5,7 +5,7 @@ and updates, fused and python backends); and the usual way, a norm and an absmax
 and gradient read with `.item()` each step (what per-parameter loggers do). Prints a markdown
 table of the step time over the bare step's.
 
-    python benchmarks/parameter_overhead.py [--steps 30] [--rounds 5] [--out DIR]
+    python benchmarks/parameter_overhead.py [--steps 30] [--rounds 5] [--device cuda] [--out DIR]
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ def _model() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(256, 10))
 
 
-def _trainer(variant: str):
-    model = _model()
+def _trainer(variant: str, device: str):
+    model = _model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    x, y = torch.randn(64, 256, device=device), torch.randint(0, 10, (64,), device=device)
     ps = None
     if variant.startswith("ParameterStats"):
         backend = "fused" if "fused" in variant else "python"
@@ -46,6 +46,8 @@ def _trainer(variant: str):
                     t.norm().item(), t.abs().max().item()
         opt.step()
         opt.zero_grad()
+        if device != "cpu":
+            torch.cuda.synchronize(device)  # the step's time, not its launches'
 
     return step
 
@@ -57,16 +59,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    steps = {v: _trainer(v) for v in VARIANTS}
+    steps = {v: _trainer(v, args.device) for v in VARIANTS}
     timings = interleaved(steps, rounds=args.rounds, calls=args.steps)
     base = timings["no statistics"].median
     rows = [
         [name, f"{t.median * 1e3:.2f}", f"{t.median / base:.3f}"] for name, t in timings.items()
     ]
     table = markdown_table(["variant", "ms per step", "over no statistics"], rows)
-    text = f"{machine_line()}\n\n{table}\n"
+    text = f"{machine_line()}, device {args.device}\n\n{table}\n"
     report(text, args.out)
 
 
