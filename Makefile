@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV := .venv
 CUDA_VENV := .venv-cuda
 WHEEL_VENV := build/wheel-venv
+# The wheels in dist/, rebuilt when a source changes (dist/.built marks the last build).
+WHEELS := dist/.built
+WHEEL_SOURCES := setup.py pyproject.toml tests/aarch64.sh $(shell git ls-files 'csrc/*' 'fasthooks/*')
 # The CPU build of torch for everyday use; the CUDA build (CUDA 13.0 and its NVRTC) beside the
 # wheel, to compile the CUDA kernels with the NVRTC a GPU user has.
 TORCH_CPU_VERSION := 2.13.0
@@ -80,10 +83,17 @@ lint: $(VENV)/.ready
 		$$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'benchmarks/*.cpp' \
 			'tests/*.cpp' 'tests/*.h')
 
+# The x86-64 wheel installed with pip into a fresh venv beside .venv's torch 2.13.0 (CPU), and the
+# whole suite run against it (the doctests of the installed package among it).
+CPU_WHEEL_VENV := build/wheel-venv-cpu
 ## test-cpu: the whole suite on the CPU, the CUDA device code emulated on the CPU among it
-test-cpu: build
-	FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_FRAMEWORKS=1 \
-		$(VENV)/bin/python -m pytest -n 2 --doctest-modules fasthooks tests
+test-cpu: $(WHEELS)
+	site=$$(bash tests/wheel_venv.sh $(CPU_WHEEL_VENV) $(VENV)/bin/python \
+		dist/fasthooks-*-abi3-*x86_64.whl) && \
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH FASTHOOKS_INSTALLED_AT=$$site \
+		FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_FRAMEWORKS=1 \
+		$(CPU_WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -n 2 --doctest-modules \
+		--pyargs fasthooks tests
 
 ## test-quick: lint, then the suite without large tensors, frameworks and emulated CUDA (minutes)
 test-quick: lint build
@@ -97,13 +107,15 @@ test-cuda-on-cpu: build
 	$(VENV)/bin/python -m pytest -q -m cuda_on_cpu tests
 
 # The CPU kernel tests natively, under qemu-user as CPUs without AVX-512 (Haswell) and without
-# AVX (Nehalem), each checked to pick its kernel build, and on aarch64 (cross-built against
-# torch 2.10.0's aarch64 wheel, run under qemu-aarch64). Installs what it needs where missing.
+# AVX (Nehalem), each checked to pick its kernel build, and on aarch64: the aarch64 wheel
+# installed with pip into a fresh venv beside torch 2.10.0's aarch64 wheel, run under
+# qemu-aarch64. Installs what it needs where missing.
 AARCH64 := build/aarch64
 ## test-isa: the CPU kernel tests as Haswell, Nehalem and aarch64 CPUs (qemu-user)
-test-isa: build
+test-isa: build $(WHEELS)
 	bash tests/install_qemu.sh
-	bash tests/aarch64.sh $(AARCH64) $(VENV)/bin/python
+	bash tests/aarch64_venv.sh $(AARCH64) "$$(ls dist/fasthooks-*aarch64.whl 2>/dev/null || true)" \
+		$(VENV)/bin/python
 	$(VENV)/bin/python tests/isa_matrix.py --aarch64 $(AARCH64)
 
 $(CUDA_VENV)/.ready: Makefile
@@ -131,7 +143,9 @@ test-cuda-kernels:
 # manylinux_2_28 as torch's own wheels are, and any older policy its symbols allow (auditwheel
 # refuses the tag if a symbol needs a newer glibc; torch's own libraries are torch's to provide).
 ## wheel: the abi3 manylinux_2_28 wheels in dist/, x86-64 and aarch64 (cross-built)
-wheel: $(VENV)/.ready
+wheel: $(WHEELS)
+
+$(WHEELS): $(VENV)/.ready $(WHEEL_SOURCES)
 	rm -rf dist build/wheel build/lib.* build/bdist.*
 	$(VENV)/bin/pip wheel $(PIP_QUIET) --no-build-isolation --no-deps -w build/wheel . 2>&1 | \
 		$(PIP_FILTER)
@@ -153,8 +167,11 @@ wheel: $(VENV)/.ready
 		$(VENV)/bin/python -m wheel tags --platform-tag +manylinux_2_28_aarch64 \
 			build/wheel-aarch64/fasthooks-*-manylinux_*_aarch64.whl; \
 		mv build/wheel-aarch64/fasthooks-*manylinux_2_28_aarch64.whl dist/; \
+		PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel show dist/fasthooks-*aarch64.whl \
+			2>&1 | grep -A1 "constrains the platform tag"; \
 		ls dist/fasthooks-*-cp310-abi3-*manylinux_2_28_aarch64.whl; \
 	fi
+	touch $@
 
 ## sdist: the source distribution in dist/
 sdist: $(VENV)/.ready
@@ -162,15 +179,11 @@ sdist: $(VENV)/.ready
 
 # That wheel installed with pip into a fresh virtual environment that sees the CUDA venv's
 # packages (torch 2.14.1, a CUDA 13.0 build, which runs on the CPU too, with its NVRTC): the suite
-# there, with the extension required to load, every CUDA kernel compiled for sm_80 to sm_120.
+# there but its large tensors (test-cpu's), with the extension required to load, every CUDA
+# kernel compiled for sm_80 to sm_120, and the model zoo (timm needs this venv's torchvision).
 ## wheel-venv: the x86-64 wheel built and installed into build/wheel-venv beside torch 2.14.1
-wheel-venv: wheel $(CUDA_VENV)/.ready
-	rm -rf $(WHEEL_VENV)
-	$(CUDA_VENV)/bin/python -m venv $(WHEEL_VENV)
-	$(CUDA_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])" > \
-		$$($(WHEEL_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])")/cuda-venv.pth
-	$(WHEEL_VENV)/bin/pip install $(PIP_QUIET) --no-deps dist/fasthooks-*-abi3-*x86_64.whl 2>&1 | \
-		$(PIP_FILTER)
+wheel-venv: $(WHEELS) $(CUDA_VENV)/.ready
+	bash tests/wheel_venv.sh $(WHEEL_VENV) $(CUDA_VENV)/bin/python dist/fasthooks-*-abi3-*x86_64.whl
 
 ## test-wheel: that wheel installed beside torch 2.14.1 (CUDA 13.0), and the suite run there
 test-wheel: wheel-venv
@@ -178,7 +191,7 @@ test-wheel: wheel-venv
 		FASTHOOKS_WHEEL_DIR=$$($(WHEEL_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])") \
 		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU_VERSION) \
 		FASTHOOKS_CACHE_DIR=$(CURDIR)/build/kernel-cache \
-		$(WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -n 2 -m "not cuda_on_cpu"
+		$(WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -n 2 -m "not cuda_on_cpu and not slow"
 
 # The sdist installed with pip (no build isolation, against .venv's torch) into a folder of its
 # own, and the operator's tests run on that build.

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Builds fasthooks for aarch64 (Graviton, Grace) on an x86-64 Debian host, for the ISA matrix to
-# run under qemu-aarch64: Debian's cross compiler, an aarch64 Python 3.11 from Debian's arm64
-# packages (unpacked, not installed), and torch 2.10.0's aarch64 wheel (a CPU build, and the
-# oldest torch the stable-ABI binary serves) with the packages the tests import. The extension is
-# built by setup.py, as everywhere, with the cross compiler. Everything lands in DIR:
+# Builds the fasthooks wheel for aarch64 (Graviton, Grace) on an x86-64 Debian host: Debian's
+# cross compiler, an aarch64 Python 3.11 from Debian's arm64 packages (unpacked, not installed)
+# and torch 2.10.0's aarch64 wheel (a CPU build, and the oldest torch the stable-ABI binary
+# serves) with the packages the tests import. The extension is built by setup.py, as everywhere,
+# with the cross compiler. tests/aarch64_venv.sh installs the wheel, once tagged, for the ISA
+# matrix to run under qemu-aarch64. Everything but the wheel lands in DIR:
 #   DIR/root  the aarch64 Python      DIR/site  torch and the test packages
-#   DIR/lib   fasthooks with its aarch64 _C
-# With WHEELS, the aarch64 wheel too (linux_aarch64, for auditwheel to tag) in that folder.
+# The wheel (linux_aarch64, for auditwheel to tag) lands in WHEELS.
 # Without root, apt-get or an x86-64 host it says so and builds nothing.
 #
-#     bash tests/aarch64.sh DIR PYTHON [WHEELS]   (PYTHON: the host interpreter with torch)
+#     bash tests/aarch64.sh DIR PYTHON WHEELS   (PYTHON: the host interpreter with torch)
 set -euo pipefail
 dir=$(realpath -m "$1")
 python=$2
-wheels=${3:+$(realpath -m "$3")}
+wheels=$(realpath -m "$3")
 repo=$(cd "$(dirname "$0")/.." && pwd)
 say() { echo "aarch64: $*" >&2; }
 
@@ -51,28 +51,22 @@ if [[ ! -f "$dir/site/.ready" ]]; then
 	touch "$dir/site/.ready"
 fi
 
-say "building the extension with aarch64-linux-gnu-g++"
-rm -rf "$dir/lib"
+say "building the wheel with aarch64-linux-gnu-g++"
+rm -rf "$dir/bdist"
 # setup.py with the cross compiler, against torch 2.10.0's aarch64 libraries.
-cross() {
-	(cd "$repo" && CC=aarch64-linux-gnu-gcc CXX=aarch64-linux-gnu-g++ \
-		LDSHARED="aarch64-linux-gnu-g++ -shared" \
-		CFLAGS="-I$dir/root/usr/include/aarch64-linux-gnu/python3.11" \
-		LDFLAGS="-L$dir/site/torch/lib" "$python" setup.py -q "$@" 2>&1 |
-		{ grep -v '^\[' || true; })
-}
-cross build_ext --build-lib "$dir/lib" --build-temp "$dir/tmp"
-"$python" -c "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2], dirs_exist_ok=True,
-    ignore=shutil.ignore_patterns('*.so', '__pycache__'))" "$repo/fasthooks" "$dir/lib/fasthooks"
+(cd "$repo" && CC=aarch64-linux-gnu-gcc CXX=aarch64-linux-gnu-g++ \
+	LDSHARED="aarch64-linux-gnu-g++ -shared" \
+	CFLAGS="-I$dir/root/usr/include/aarch64-linux-gnu/python3.11" \
+	LDFLAGS="-L$dir/site/torch/lib" "$python" setup.py -q build_ext --build-temp "$dir/tmp" \
+	bdist_wheel --plat-name linux_aarch64 --bdist-dir "$dir/bdist" -d "$wheels" 2>&1 |
+	{ grep -v '^\[' || true; })
+wheel=$(ls "$wheels"/fasthooks-*linux_aarch64.whl)
 # e_machine of the ELF header: 183 is AArch64.
-"$python" -c "import sys; sys.exit(open(sys.argv[1], 'rb').read(20)[18] != 183)" \
-	"$dir"/lib/fasthooks/_C*.so || {
+"$python" -c "import sys, zipfile
+zf = zipfile.ZipFile(sys.argv[1])
+(so,) = [n for n in zf.namelist() if n.startswith('fasthooks/_C') and n.endswith('.so')]
+sys.exit(zf.read(so)[18] != 183)" "$wheel" || {
 	say "the extension built is not an aarch64 library"
 	exit 1
 }
-say "built $(basename "$dir"/lib/fasthooks/_C*.so) for aarch64 against torch 2.10.0"
-if [[ -n "$wheels" ]]; then
-	cross build_ext --build-temp "$dir/tmp" bdist_wheel --plat-name linux_aarch64 \
-		--bdist-dir "$dir/bdist" -d "$wheels"
-	say "built $(basename "$wheels"/fasthooks-*linux_aarch64.whl)"
-fi
+say "built $(basename "$wheel") against torch 2.10.0"

@@ -5,12 +5,14 @@ picks the build it must. Prints which builds ran where and which this host could
 
     python tests/isa_matrix.py [--aarch64 DIR] [pytest arguments]
 
-With --aarch64, also the aarch64 build that tests/aarch64.sh made in DIR, under qemu-aarch64.
+With --aarch64, also the aarch64 wheel that tests/aarch64_venv.sh installed into DIR/venv, under
+qemu-aarch64, with the checks of an installed wheel (its symbols and tags) beside the kernel tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import re
 import shutil
@@ -27,6 +29,8 @@ EMULATED = {"Haswell": "avx2", "Nehalem": "default"}
 # qemu 7.2 miscomputes some AVX2 code (histogram bins of values on the edges); 10.0 does not.
 MIN_QEMU = 8
 TEST_FILES = ("test_operator.py", "test_extras.py", "test_isa.py")
+# On aarch64 the wheel is the installed one: its checks run there too.
+AARCH64_TEST_FILES = (*TEST_FILES, "test_extension.py")
 
 
 def qemu_major(qemu: str) -> int:
@@ -61,14 +65,24 @@ def x86_qemu() -> str | None:
 
 
 def aarch64_interpreter(build: Path | None) -> list[str] | None:
-    """The aarch64 Python that tests/aarch64.sh unpacked in `build`, under qemu-aarch64."""
+    """The venv's aarch64 Python that tests/aarch64_venv.sh made in `build`, under qemu-aarch64."""
     qemu = shutil.which("qemu-aarch64")
-    if build is None or qemu is None or not (build / "lib" / "fasthooks").is_dir():
-        why = "qemu-aarch64 not found" if build and qemu is None else "no aarch64 build"
-        print(f"isa matrix: aarch64: not exercised ({why}; tests/aarch64.sh makes one)")
+    venv = build / "venv" if build else None
+    if venv is None or qemu is None or not any(venv.glob("lib/python3*/site-packages/fasthooks")):
+        why = "qemu-aarch64 not found" if build and qemu is None else "no aarch64 wheel installed"
+        print(f"isa matrix: aarch64: not exercised ({why}; tests/aarch64_venv.sh installs one)")
         return None
-    root = build / "root"
-    return [qemu, "-L", str(root), str(root / "usr" / "bin" / "python3.11")]
+    return [qemu, "-L", str(build / "root"), str(venv / "bin" / "python")]
+
+
+def torch_version() -> str:
+    """The host torch's release, which the wheels are built against."""
+    return importlib.metadata.version("torch").split("+")[0]
+
+
+def test_paths(run: str) -> list[str]:
+    files = AARCH64_TEST_FILES if run.startswith("qemu-aarch64") else TEST_FILES
+    return [str(ROOT / "tests" / name) for name in files]
 
 
 def main() -> int:
@@ -97,10 +111,14 @@ def main() -> int:
             runs[f"native ({build})"] = (here, build, {"FASTHOOKS_CPU_CAPABILITY": build}, ROOT)
     arm = aarch64_interpreter(aarch64)
     if arm is not None:
-        path = os.pathsep.join(str(aarch64 / part) for part in ("lib", "site"))
-        arm_env = {"PYTHONPATH": path, "FASTHOOKS_REQUIRE_EXT": "1"}
+        (site,) = (aarch64 / "venv").glob("lib/python3*/site-packages")
+        arm_env = {
+            "PYTHONPATH": "",
+            "FASTHOOKS_REQUIRE_EXT": "1",
+            "FASTHOOKS_WHEEL_DIR": str(site),
+            "FASTHOOKS_WHEEL_BUILT_WITH": torch_version(),
+        }
         runs["qemu-aarch64 (default)"] = (arm, "default", arm_env, aarch64)
-    tests = [str(ROOT / "tests" / name) for name in TEST_FILES]
     # Each run on one thread, all at once: emulation is single-threaded anyway.
     started = {}
     for name, (interpreter, build, extra_env, folder) in runs.items():
@@ -112,7 +130,7 @@ def main() -> int:
             **extra_env,
         }
         process = subprocess.Popen(
-            [*command, *tests, *pytest_arguments],
+            [*command, *test_paths(name), *pytest_arguments],
             cwd=folder,
             env=run_env,
             stdout=subprocess.PIPE,

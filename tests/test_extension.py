@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -162,6 +163,7 @@ NEWEST_ALLOWED = {"GLIBC": (2, 28), "GLIBCXX": (3, 4, 24), "CXXABI": (1, 3, 11)}
 
 
 @FUSED
+@pytest.mark.isa
 def test_the_extension_needs_nothing_newer_than_manylinux_2_28_and_links_no_cuda():
     origin = importlib.util.find_spec("fasthooks._C").origin
     listing = subprocess.run(
@@ -182,6 +184,7 @@ def test_the_extension_needs_nothing_newer_than_manylinux_2_28_and_links_no_cuda
     assert needed and not [lib for lib in needed if re.search(r"cuda|nvrtc|cublas", lib)], needed
 
 
+@pytest.mark.isa
 @pytest.mark.skipif(
     not os.environ.get("FASTHOOKS_WHEEL_DIR"),
     reason="only for the wheel installed beside another torch (FASTHOOKS_WHEEL_DIR, make test)",
@@ -243,6 +246,7 @@ def test_the_package_under_test_is_the_installed_one():
     assert importlib.util.find_spec("fasthooks._C").origin.startswith(folder)
 
 
+@pytest.mark.isa
 @pytest.mark.skipif(
     not os.environ.get("FASTHOOKS_WHEEL_DIR"),
     reason="only for the wheel installed beside another torch (FASTHOOKS_WHEEL_DIR, make test)",
@@ -254,8 +258,9 @@ def test_the_wheel_is_tagged_manylinux_2_28_as_torch_is():
         for line in wheel_file.read_text().splitlines()
         if line.startswith("Tag: ")
     ]
-    assert "cp310-abi3-manylinux_2_28_x86_64" in tags, tags
-    policies = [re.fullmatch(r"cp310-abi3-manylinux_2_(\d+)_x86_64", tag) for tag in tags]
+    machine = platform.machine()
+    assert f"cp310-abi3-manylinux_2_28_{machine}" in tags, tags
+    policies = [re.fullmatch(rf"cp310-abi3-manylinux_2_(\d+)_{machine}", tag) for tag in tags]
     assert all(p is not None and int(p[1]) <= 28 for p in policies), tags
 
 
