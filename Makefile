@@ -84,13 +84,14 @@ lint: $(VENV)/.ready
 			'tests/*.cpp' 'tests/*.h')
 
 # The x86-64 wheel installed with pip into a fresh venv beside .venv's torch 2.13.0 (CPU), and the
-# whole suite run against it (the doctests of the installed package among it).
+# whole suite run against it (the doctests of the installed package among it). PYTHONSAFEPATH
+# keeps the work tree's package off every child Python's path too.
 CPU_WHEEL_VENV := build/wheel-venv-cpu
 ## test-cpu: the whole suite on the CPU, the CUDA device code emulated on the CPU among it
 test-cpu: $(WHEELS)
 	site=$$(bash tests/wheel_venv.sh $(CPU_WHEEL_VENV) $(VENV)/bin/python \
 		dist/fasthooks-*-abi3-*x86_64.whl) && \
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH FASTHOOKS_INSTALLED_AT=$$site \
+	PYTHONSAFEPATH=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH FASTHOOKS_INSTALLED_AT=$$site \
 		FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_FRAMEWORKS=1 \
 		$(CPU_WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -n 2 --doctest-modules \
 		--pyargs fasthooks tests
@@ -187,7 +188,7 @@ wheel-venv: $(WHEELS) $(CUDA_VENV)/.ready
 
 ## test-wheel: that wheel installed beside torch 2.14.1 (CUDA 13.0), and the suite run there
 test-wheel: wheel-venv
-	FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_NVRTC=1 FASTHOOKS_REQUIRE_MODEL_ZOO=1 \
+	PYTHONSAFEPATH=1 FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_NVRTC=1 FASTHOOKS_REQUIRE_MODEL_ZOO=1 \
 		FASTHOOKS_WHEEL_DIR=$$($(WHEEL_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])") \
 		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU_VERSION) \
 		FASTHOOKS_CACHE_DIR=$(CURDIR)/build/kernel-cache \
