@@ -1,6 +1,7 @@
 """The training benchmark's --quick mode writes what it promises (structure, never timings)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import pytest
 from conftest import FUSED, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
 MODES = ("mean+std", "every extra", "every extra + hist")
 VARIANTS = [
     "no hooks",
@@ -19,6 +22,14 @@ VARIANTS = [
     "fasthooks fused",
     "fasthooks fused, every stat + 40-bin hist",
 ]
+
+
+def _script_env() -> dict[str, str]:
+    """For a child running a benchmark script, which imports its siblings: PYTHONSAFEPATH (set
+    where the suite runs against an installed wheel) leaves a script's own folder off its path."""
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join((str(ROOT / "benchmarks"), env["PYTHONPATH"]))
+    return env
 
 
 @FUSED
@@ -38,7 +49,7 @@ def test_quick_training_benchmark_writes_table_json_and_plot(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=subprocess_env(),
+        env=_script_env(),
     )
     assert run.returncode == 0, run.stderr[-2000:]
 
@@ -80,7 +91,7 @@ def test_guard_benchmark_times_every_watch_and_says_what_each_names(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env=subprocess_env(),
+        env=_script_env(),
     )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {
@@ -108,7 +119,7 @@ def test_the_window_benchmark_writes_its_table(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=subprocess_env(),
+        env=_script_env(),
     )
     assert run.returncode == 0, run.stderr
     table = (out / "results.md").read_text()
@@ -131,7 +142,7 @@ def test_the_parameter_monitors_benchmark_writes_its_tables_and_goals(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=subprocess_env(),
+        env=_script_env(),
     )
     assert run.returncode == 0, run.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
