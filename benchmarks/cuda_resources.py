@@ -44,19 +44,24 @@ def blocks_by_registers(registers: int) -> int:
     return REGISTERS_PER_SM // (per_warp * (THREADS // 32))
 
 
+# A bin count of each way a kernel counts a histogram's bins (kernel_layout.h): none, per thread,
+# per block.
+HISTOGRAM_BINS = (0, 16, 256)
+
+
 class Kernel(NamedTuple):
     """One instantiation of the kernel template."""
 
     dtype: str
     full: bool  # every statistic, or mean and std only
-    hist: bool
+    bins: int  # the histogram's bin count (0: none): up to 40 counted per thread, more per block
     diff: bool  # of a difference from a base
     is_list: bool  # the list kernel (accumulate_stats_list)
 
     @property
     def what(self) -> str:
         what = ("every statistic" if self.full else "mean and std") + (
-            " + histogram" if self.hist else ""
+            f" + histogram ({self.bins} bins)" if self.bins else ""
         )
         what += " of a difference" if self.diff else ""
         return what + (", list" if self.is_list else "")
@@ -64,11 +69,11 @@ class Kernel(NamedTuple):
 
 # Every instantiation the extension can launch: a difference has every statistic.
 KERNELS = [
-    Kernel(dtype, full, hist, diff, is_list)
+    Kernel(dtype, full, bins, diff, is_list)
     for dtype in ("float32", "float64", "float16", "bfloat16")
     for is_list in (False, True)
     for full, diff in ((False, False), (True, False), (True, True))
-    for hist in (False, True)
+    for bins in HISTOGRAM_BINS
 ]
 
 
@@ -116,7 +121,7 @@ def cubin(kernel: Kernel, arch: str) -> tuple[str, bytes]:
         getattr(torch, kernel.dtype),
         int(arch),
         full=kernel.full,
-        hist=kernel.hist,
+        bins=kernel.bins,
         diff=kernel.diff,
         list_=kernel.is_list,
     )

@@ -179,15 +179,16 @@ def compile_kernel(
     arch: int,
     *,
     full: bool,
-    hist: bool,
+    bins: int = 0,
     diff: bool = False,
     list_: bool = False,
 ) -> tuple[bool, str]:
     """Compiles one kernel for compute capability `arch` into the cache, with no GPU needed:
-    (whether it was compiled now rather than found in the cache, its cache file)."""
+    (whether it was compiled now rather than found in the cache, its cache file). `bins` is the
+    histogram's bin count (0: none), which picks how the kernel counts them."""
     out = ctypes.create_string_buffer(_OUT_SIZE)
     done = _extension().fasthooks_cuda_compile(
-        DTYPE_POSITIONS[dtype], list_, full, hist, diff, arch, out, ctypes.c_size_t(_OUT_SIZE)
+        DTYPE_POSITIONS[dtype], list_, full, bins, diff, arch, out, ctypes.c_size_t(_OUT_SIZE)
     )
     if done < 0:
         raise RuntimeError(out.value.decode())

@@ -22,9 +22,13 @@ from fasthooks import cuda_setup, ops
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = (80, 90, 100, 120)
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-# (full, hist, diff) as the operator asks for them: a difference kernel computes every statistic.
-FLAGS = ((False, False, False), (False, True, False), (True, False, False), (True, True, False))
-FLAGS += ((True, False, True), (True, True, True))
+# (full, bins, diff) as the operator asks for them: a difference kernel computes every statistic;
+# up to 40 bins are counted per thread, more per block.
+FLAGS = tuple(
+    (full, bins, diff)
+    for full, diff in ((False, False), (True, False), (True, True))
+    for bins in (0, 16, 256)
+)
 
 
 def _nvrtc_found() -> bool:
@@ -62,9 +66,9 @@ def test_nvrtc_is_found():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_kernel_compiles_for_each_architecture(arch, fresh_cache):
     kernels = list(itertools.product(DTYPES, (False, True), FLAGS))
-    for dtype, list_, (full, hist, diff) in kernels:
+    for dtype, list_, (full, bins, diff) in kernels:
         compiled, path = cuda_setup.compile_kernel(
-            dtype, arch, full=full, hist=hist, diff=diff, list_=list_
+            dtype, arch, full=full, bins=bins, diff=diff, list_=list_
         )
         name, image = _image(path)
         assert compiled, path
@@ -77,7 +81,7 @@ def test_every_kernel_compiles_for_each_architecture(arch, fresh_cache):
 def test_a_gpu_newer_than_nvrtc_gets_ptx_and_an_older_one_a_clear_error(fresh_cache):
     target = cuda_setup.target(990)
     assert target.startswith("compute_")
-    _, path = cuda_setup.compile_kernel(torch.bfloat16, 990, full=True, hist=True)
+    _, path = cuda_setup.compile_kernel(torch.bfloat16, 990, full=True, bins=40)
     _, image = _image(path)
     assert b".version" in image and b".target sm_" in image
     with pytest.raises(RuntimeError, match="need sm_70 or later, not this GPU's sm_60"):
@@ -88,7 +92,7 @@ COMPILE_ONCE = """
 import sys, torch
 from fasthooks import cuda_setup, ops
 ops.cuda_status()
-compiled, path = cuda_setup.compile_kernel(torch.float16, 90, full=True, hist=False)
+compiled, path = cuda_setup.compile_kernel(torch.float16, 90, full=True)
 print(int(compiled), path)
 """
 
@@ -125,7 +129,7 @@ def test_an_unwritable_cache_still_compiles(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTHOOKS_CACHE_DIR", str(blocked / "kernels"))
     cuda_setup.configure()
     try:
-        compiled, path = cuda_setup.compile_kernel(torch.float32, 80, full=False, hist=False)
+        compiled, path = cuda_setup.compile_kernel(torch.float32, 80, full=False)
     finally:
         monkeypatch.delenv("FASTHOOKS_CACHE_DIR")
         cuda_setup.configure()

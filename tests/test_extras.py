@@ -121,6 +121,25 @@ def test_extremes_counts_and_histograms_are_exact(accumulate, dtype, bins, lo, h
 @pytest.mark.isa
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
+@pytest.mark.parametrize("bins", [1, 7, 40, 41, 256, 2048])
+@pytest.mark.parametrize("lo", [1000.0, -3.3e5, 0.0])
+def test_values_beside_every_edge_at_the_finest_bins_allowed(accumulate, bins, lo, device):
+    # Bins barely wider than the 2^-16 of the range's magnitude that float32 must resolve, where a
+    # kernel's first guess of the bin is least accurate: every edge, rounded to float32, and the
+    # floats either side of it, counted as the float64 edges say.
+    width = 2.0**-15 * abs(lo) if lo else 0.37
+    hi = lo + bins * width
+    edges = (lo + (hi - lo) * torch.arange(bins + 1, dtype=torch.float64) / bins).float()
+    up, down = torch.full_like(edges, math.inf), torch.full_like(edges, -math.inf)
+    x = torch.cat([edges, torch.nextafter(edges, up), torch.nextafter(edges, down)])
+    b = StatBuffers(1, 1, device, full=False, hist_bins=bins)
+    accumulate(x.to(device), *b.op_args(), 0, 0.05, lo, hi)
+    assert b.hist[0, 0].tolist() == _reference_histogram(x, bins, lo, hi)
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
 @pytest.mark.parametrize("bins, lo, hi", [(40, 0.0, 10.0), (7, -1.3, 2.9), (100, 0.0, 10.0)])
 def test_histogram_with_most_values_in_one_bin_is_exact(accumulate, bins, lo, hi, device):
     # A ReLU output: half of the values are 0, and every lane of a vector often lands in one bin.

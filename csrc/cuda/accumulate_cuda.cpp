@@ -62,10 +62,10 @@ void check_cu(CUresult status, const char* what) {
 }
 
 constexpr int kMaxDevices = 64;
-constexpr int kVariants = 64;
+constexpr int kVariants = 4 * 2 * 2 * 3 * 2;
 
 int variant_index(const KernelVariant& v) {
-  return v.dtype * 16 + v.list * 8 + v.full * 4 + v.hist * 2 + v.diff;
+  return (((v.dtype * 2 + v.list) * 2 + v.full) * 3 + v.hist) * 2 + v.diff;
 }
 
 struct DeviceFacts {
@@ -245,14 +245,14 @@ void fasthooks_cuda_setup(void* const* functions, const char* cache_dir, const c
   s.ready.store(unavailable == nullptr, std::memory_order_release);
 }
 
-// Compiles kernel (dtype position, list, full, hist, diff) for compute capability `arch` into the
-// cache, or finds it there, with no GPU: 1 compiled, 0 found; -1 on failure. `out` gets the cache
-// file, or the error.
-int fasthooks_cuda_compile(int dtype, int list, int full, int hist, int diff, int arch, char* out,
+// Compiles kernel (dtype position, list, full, histogram bins or 0, diff) for compute capability
+// `arch` into the cache, or finds it there, with no GPU: 1 compiled, 0 found; -1 on failure. `out`
+// gets the cache file, or the error.
+int fasthooks_cuda_compile(int dtype, int list, int full, int bins, int diff, int arch, char* out,
                            size_t out_size) {
   using namespace fasthooks::cuda;
   try {
-    const KernelVariant v = variant_of(dtype, list != 0, full != 0, hist != 0, diff != 0);
+    const KernelVariant v = variant_of(dtype, list != 0, full != 0, bins, diff != 0);
     const KernelImage image =
         kernel_image(compiler_api(), setup().cache_dir, v, arch, /*log=*/false);
     copy_out(image.path, out, out_size);
@@ -268,7 +268,7 @@ int fasthooks_cuda_compile(int dtype, int list, int full, int hist, int diff, in
 int fasthooks_cuda_prepare(int device, char* out, size_t out_size) {
   using namespace fasthooks::cuda;
   try {
-    kernel_on(variant_of(0, false, false, false, false), device);
+    kernel_on(variant_of(0, false, false, 0, false), device);
     copy_out("", out, out_size);
     return 0;
   } catch (const std::exception& error) {

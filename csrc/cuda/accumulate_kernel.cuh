@@ -8,7 +8,7 @@
 // workspace, and the last block to finish merges those in block order (so the result is
 // deterministic), merges them into the state slot at the device-side cursor, writes the
 // finalised statistics and resets the finished-blocks counter for the next call. Histograms are
-// counted per block in shared memory, with one atomic per group of lanes that share a bin, and
+// counted in shared memory (kernel_layout.h: per thread for few bins, per block for more) and
 // added to the slot's row at the end of the block.
 #pragma once
 
@@ -101,20 +101,56 @@ __device__ Acc finite_or_zero(Acc v) {
   return v - v == Acc(0) ? v : Acc(0);  // an infinite or NaN shift would poison every value
 }
 
-// The block's histogram in shared memory, as one thread adds to it.
-struct BlockHistogram {
+// The bin of v, -1 below the range or for NaN, `bins` above it (so a thread's column needs no
+// range check: it has a row for each), from lower[k] for k <= bins, lower[bins] the value after
+// the top edge. For v's exact position x (in bins from lo), the guess is x + 1 - 1/16 by one fused
+// multiply-add, off by under 2^-5: bins_resolvable bounds |lo| * scale, and |v| * scale in the
+// range, by 2^16, so the roundings of lo, scale and three operations add at most 7 * 2^-8. So the
+// guess lies in (x, x + 1], and its floor is v's bin or the next; the edge settles which.
+template <typename Acc>
+__device__ int32_t bin_or_outside(Acc v, const BinTable<Acc>& t) {
+  constexpr Acc kLow = Acc(1) - Acc(0.0625);
+  const Acc guess = fma(v, t.scale, kLow - t.lo * t.scale);
+  const auto next = static_cast<int32_t>(fmin(fmax(guess, Acc(0)), static_cast<Acc>(t.bins)));
+  return v >= t.lower[next] ? next : next - 1;  // NaN became 0 in fmax, and is below lower[0]
+}
+
+// Where one thread counts its values' bins in shared memory: with kBinsPerThread its own column
+// (bin k at counts[k * kThreads], values in no bin at k = -1 and k = bins), with kBinsPerBlock
+// the block's table.
+struct BinCounts {
   unsigned int* counts;
   unsigned int below;  // the lanes of this thread's warp below it
 };
 
-// Counts v's bin in the block's histogram: lanes that share a bin add once, together, by the
-// lowest of them.
-template <typename Acc>
-__device__ void count_bin(Acc v, const BinTable<Acc>& table, const BlockHistogram& hist) {
-  const int32_t bin = bin_of(v, table);
-  const unsigned int peers = __match_any_sync(__activemask(), bin);
-  if ((peers & hist.below) == 0 && bin < static_cast<int32_t>(table.bins)) {
-    atomicAdd(hist.counts + bin, static_cast<unsigned int>(__popc(peers)));
+// Counts v's bin: in the thread's own column, or in the block's table, where lanes that share a
+// bin add once, together, by the lowest of them.
+template <int Hist, typename Acc>
+__device__ void count_bin(Acc v, const BinTable<Acc>& table, const BinCounts& hist) {
+  const int32_t bin = bin_or_outside(v, table);
+  if constexpr (Hist == kBinsPerThread) {
+    hist.counts[bin * kThreads] += 1;
+  } else {
+    const unsigned int peers = __match_any_sync(__activemask(), bin);
+    const bool in_range = static_cast<uint32_t>(bin) < static_cast<uint32_t>(table.bins);
+    if ((peers & hist.below) == 0 && in_range) {
+      atomicAdd(hist.counts + bin, static_cast<unsigned int>(__popc(peers)));
+    }
+  }
+}
+
+// The bin counts of every thread's column summed, a warp to a bin, and added to `row`.
+__device__ inline void add_thread_columns(const unsigned int* columns, int64_t bins, int64_t* row) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t k = threadIdx.x / 32; k < bins; k += kWarps) {
+    unsigned int count = 0;
+    for (int t = lane; t < kThreads; t += 32) count += columns[k * kThreads + t];
+    for (int offset = 16; offset > 0; offset /= 2)
+      count += __shfl_down_sync(0xffffffffu, count, offset);
+    if (lane == 0 && count != 0) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(row + k),
+                static_cast<unsigned long long>(count));
+    }
   }
 }
 
@@ -196,9 +232,9 @@ struct PowerSums {
 };
 
 // Adds one load's values to a group's sums, extremes, counts and histogram.
-template <typename Acc, bool Full, bool Hist, bool Diff, typename T, int Width>
+template <typename Acc, bool Full, int Hist, bool Diff, typename T, int Width>
 __device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, Acc shift, Acc near_zero,
-                         const BinTable<Acc>& table, const BlockHistogram& hist, PowerSums<Acc>& a,
+                         const BinTable<Acc>& table, const BinCounts& hist, PowerSums<Acc>& a,
                          Extremes<Acc>& e) {
 #pragma unroll
   for (int k = 0; k < Width; ++k) {
@@ -216,7 +252,7 @@ __device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, Acc s
       if (value <= near_zero) ++e.near_zero;
       if (!(fabs(value) <= kLargest<Acc>)) ++e.nonfinite;  // infinite or NaN
     }
-    if constexpr (Hist) count_bin(value, table, hist);
+    if constexpr (Hist != kNoHistogram) count_bin<Hist>(value, table, hist);
   }
 }
 
@@ -226,10 +262,10 @@ __device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, Acc s
 // precision, added to the segment's in double), and merged into `moments` in double, so no
 // choice of first values spoils the rest; extremes, counts and the histogram are taken on the
 // way.
-template <typename Acc, bool Full, bool Hist, typename T, int Width, bool Diff>
+template <typename Acc, bool Full, int Hist, typename T, int Width, bool Diff>
 __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int64_t first,
                             int64_t step, Acc near_zero, const BinTable<Acc>& table,
-                            const BlockHistogram& hist, Stats& moments, Extremes<Acc>& e) {
+                            const BinCounts& hist, Stats& moments, Extremes<Acc>& e) {
   for (int64_t begin = first; begin < loads; begin += kSegmentLoads * step) {
     const Acc shift = moments.count > 0.0 ? finite_or_zero(static_cast<Acc>(moments.mean))
                                           : load_mean<Acc>(r, begin);
@@ -275,18 +311,22 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
 // Block `block` of the `blocks` that read the n values at x (minus base, with Diff) for slot
 // b.slot at column `column`: its partials go to partials[block], its ticket to *finished, and
 // the last of them merges all into the slot and resets *finished for the next call.
-template <typename T, typename Acc, bool Full, bool Hist, bool Diff>
+template <typename T, typename Acc, bool Full, int Hist, bool Diff>
 __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ base, int64_t n,
                                  int64_t head, const Buffers& b, int64_t column, unsigned block,
                                  unsigned blocks, double* partials, unsigned int* finished) {
   FASTHOOKS_DYNAMIC_SHARED(dynamic_shared);
   auto* lower = reinterpret_cast<Acc*>(dynamic_shared);
-  auto* hist = reinterpret_cast<unsigned int*>(lower + kMaxBins + 1);
+  auto* hist = reinterpret_cast<unsigned int*>(lower + bin_edges(Hist));
   const BinTable<Acc> table = bin_table(lower, b.bins, b.hist_min, b.hist_max);
-  if constexpr (Hist) {
+  if constexpr (Hist != kNoHistogram) {
     for (int64_t k = threadIdx.x; k <= b.bins; k += blockDim.x) {
-      lower[k] = lower_edge<Acc>(k, b.bins, b.hist_min, b.hist_max);
-      if (k < b.bins) hist[k] = 0;
+      lower[k] = k < b.bins ? lower_edge<Acc>(k, b.bins, b.hist_min, b.hist_max)
+                            : step(table.top, static_cast<Acc>(INFINITY));
+      if (Hist == kBinsPerBlock && k < b.bins) hist[k] = 0;
+    }
+    if constexpr (Hist == kBinsPerThread) {
+      for (int64_t k = 0; k < b.bins + 2; ++k) hist[k * kThreads + threadIdx.x] = 0;
     }
     __syncthreads();
   }
@@ -309,20 +349,26 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
                                    reinterpret_cast<const Vector*>(at(head))};
   const Reader<T, 1, Diff> tail_part{reinterpret_cast<const Scalar*>(tail),
                                      reinterpret_cast<const Scalar*>(at(tail - x))};
-  const BlockHistogram histogram{hist, (1u << (threadIdx.x % 32)) - 1u};
+  // A thread's column starts a row in, for the values below the range.
+  const BinCounts histogram{Hist == kBinsPerThread ? hist + kThreads + threadIdx.x : hist,
+                            (1u << (threadIdx.x % 32)) - 1u};
   thread_pass<Acc, Full, Hist>(head_part, head, tid, step, near_zero, table, histogram, moments, e);
   thread_pass<Acc, Full, Hist>(body, vectors, tid, step, near_zero, table, histogram, moments, e);
   thread_pass<Acc, Full, Hist>(tail_part, x + n - tail, tid, step, near_zero, table, histogram,
                                moments, e);
 
   const int64_t cell = b.slot * b.capacity + column;
-  if constexpr (Hist) {
+  if constexpr (Hist != kNoHistogram) {
     __syncthreads();
     int64_t* row = b.hist + cell * b.bins;
-    for (int64_t k = threadIdx.x; k < b.bins; k += blockDim.x) {
-      if (hist[k] != 0) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(row + k),
-                  static_cast<unsigned long long>(hist[k]));
+    if constexpr (Hist == kBinsPerThread) {
+      add_thread_columns(hist + kThreads, b.bins, row);
+    } else {
+      for (int64_t k = threadIdx.x; k < b.bins; k += blockDim.x) {
+        if (hist[k] != 0) {
+          atomicAdd(reinterpret_cast<unsigned long long*>(row + k),
+                    static_cast<unsigned long long>(hist[k]));
+        }
       }
     }
   }
@@ -376,7 +422,7 @@ __device__ inline int64_t column_or_drop(const Buffers& b, unsigned long long ca
   return -1;
 }
 
-template <typename T, typename Acc, bool Full, bool Hist, bool Diff>
+template <typename T, typename Acc, bool Full, int Hist, bool Diff>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     accumulate_stats_kernel(const T* __restrict__ x, const T* __restrict__ base, int64_t n,
                             int64_t head, Buffers b) {
@@ -387,7 +433,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
 }
 
 // Every tensor of a table in one launch: block i works for the tensor whose blocks hold i.
-template <typename T, typename Acc, bool Full, bool Hist, bool Diff>
+template <typename T, typename Acc, bool Full, int Hist, bool Diff>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     accumulate_list_kernel(const __grid_constant__ TensorTable table, Buffers b) {
   const int64_t column = column_or_drop(b, static_cast<unsigned long long>(table.count));

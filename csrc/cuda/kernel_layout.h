@@ -15,14 +15,34 @@ constexpr int kWarps = kThreads / 32;
 // 65536 / (3 * 256) = 85 registers a thread.
 constexpr int kMinBlocksPerSM = 3;
 constexpr int kVecBytes = 16;
+// How a kernel counts histogram bins. Up to kThreadBins bins, each thread counts in its own
+// column of shared memory (a plain add: no atomics, no bank conflicts, whatever the values); more
+// bins share one table per block, the lanes of a warp that share a bin adding once by an atomic.
+constexpr int kNoHistogram = 0;
+constexpr int kBinsPerThread = 1;
+constexpr int kBinsPerBlock = 2;
+// A column of kThreadBins + 2 counters (the first and the last for values in no bin) for each of
+// kThreads threads: 42 KB, within the 48 KB a launch may ask for without opting in to more, and
+// three blocks fit an A100's, H100's, H200's or B200's multiprocessor.
+constexpr int64_t kThreadBins = 40;
 // Loads a thread issues before it uses the first of them: four where only mean and std are
 // kept (registers to spare), two beside every statistic's registers.
-template <bool Full, bool Hist>
-constexpr int kLoadsInFlight = Full || Hist ? 2 : 4;
+template <bool Full, int Hist>
+constexpr int kLoadsInFlight = Full || Hist != kNoHistogram ? 2 : 4;
 // Per-block partial results: one Stats, as the state planes.
 constexpr int64_t kPartials = kFullPlanes;
 // Shared memory is sized for the most bins fasthooks/layout.py allows.
 constexpr int64_t kMaxBins = 2048;
+
+// The bin edges (bin_table's lower) and the bin counters a kernel keeps in dynamic shared memory:
+// per block one table, per thread a column a thread.
+C10_HOST_DEVICE constexpr int64_t bin_edges(int hist) {
+  return hist == kNoHistogram ? 0 : (hist == kBinsPerThread ? kThreadBins : kMaxBins) + 1;
+}
+C10_HOST_DEVICE constexpr int64_t bin_counters(int hist) {
+  return hist == kBinsPerThread ? kThreads * (kThreadBins + 2)
+                                : (hist == kBinsPerBlock ? kMaxBins : 0);
+}
 // Loads of a thread summed around one shift before they merge into its moments in double.
 constexpr int kSegmentLoads = 64;
 

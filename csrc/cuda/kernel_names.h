@@ -19,16 +19,17 @@ inline std::string name_expression(const KernelVariant& v) {
   return std::string("&fasthooks::cuda::") +
          (v.list ? "accumulate_list_kernel<" : "accumulate_stats_kernel<") + value_type_name(v) +
          ", " + (sums_in_double(v) ? "double" : "float") + ", " + flag(v.full) + ", " +
-         flag(v.hist) + ", " + flag(v.diff) + ">";
+         std::to_string(v.hist) + ", " + flag(v.diff) + ">";
 }
 
-// For example "bfloat16-list-full-hist".
+// For example "bfloat16-list-full-hist" (bins per block) or "float32-basic-threadhist".
 inline std::string variant_label(const KernelVariant& v) {
   constexpr const char* kDtypes[] = {"float32", "float64", "float16", "bfloat16"};
   std::string label = kDtypes[v.dtype];
   if (v.list) label += "-list";
   label += v.full ? "-full" : "-basic";
-  if (v.hist) label += "-hist";
+  if (v.hist == kBinsPerThread) label += "-threadhist";
+  if (v.hist == kBinsPerBlock) label += "-hist";
   if (v.diff) label += "-diff";
   return label;
 }

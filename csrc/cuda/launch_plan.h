@@ -112,28 +112,40 @@ void for_each_table(const T* const* x, const T* const* base, const int64_t* n, c
 }
 
 // Which kernel a launch runs: accumulate_stats_kernel or, for a list, accumulate_list_kernel,
-// instantiated for a dtype (its dtype_position) and the statistics asked for. With a base (diff),
-// every statistic is.
+// instantiated for a dtype (its dtype_position), the statistics asked for and how a histogram of
+// `bins` bins is counted (kernel_layout.h). With a base (diff), every statistic is.
 struct KernelVariant {
   int dtype;
   bool list;
   bool full;
-  bool hist;
+  int hist;
   bool diff;
 };
 
-inline KernelVariant variant_of(int dtype, bool list, bool full, bool hist, bool diff) {
+inline KernelVariant variant_of(int dtype, bool list, bool full, int64_t bins, bool diff) {
+  const int hist =
+      bins == 0 ? kNoHistogram : (bins <= kThreadBins ? kBinsPerThread : kBinsPerBlock);
   return {dtype, list, full || diff, hist, diff};
 }
 
 // float64 values are summed in double, every other dtype in float (Accumulator).
 inline bool sums_in_double(const KernelVariant& v) { return v.dtype == 1; }
 
-// The dynamic shared memory of a kernel: bin edges and the block's histogram.
+// The dynamic shared memory of a kernel: bin edges and bin counters.
 inline size_t shared_bytes(const KernelVariant& v) {
   const size_t acc = sums_in_double(v) ? sizeof(double) : sizeof(float);
-  return v.hist ? (kMaxBins + 1) * acc + kMaxBins * sizeof(unsigned int) : 0;
+  return static_cast<size_t>(bin_edges(v.hist)) * acc +
+         static_cast<size_t>(bin_counters(v.hist)) * sizeof(unsigned int);
 }
+// A kernel launched with more dynamic shared memory than 48 KB must opt in first; none needs to.
+static_assert(bin_edges(kBinsPerThread) * sizeof(double) +
+                      bin_counters(kBinsPerThread) * sizeof(unsigned int) <=
+                  48 * 1024,
+              "the per-thread bin counters outgrow 48 KB of shared memory");
+static_assert(bin_edges(kBinsPerBlock) * sizeof(double) +
+                      bin_counters(kBinsPerBlock) * sizeof(unsigned int) <=
+                  48 * 1024,
+              "the block's bin table outgrows 48 KB of shared memory");
 
 }  // namespace cuda
 }  // namespace fasthooks

@@ -292,6 +292,13 @@ inline void run_block(Block& b) {
 // shared memory, blocks started in a shuffled order on options().workers OS threads.
 template <typename Kernel, typename... Args>
 void launch(Kernel kernel, unsigned grid, unsigned threads, size_t shared, Args... args) {
+  // CUDA refuses more dynamic shared memory than this to a kernel that did not opt in to more.
+  constexpr size_t kDynamicSharedLimit = 48 * 1024;
+  if (shared > kDynamicSharedLimit) {
+    report("a launch asked for " + std::to_string(shared) +
+           " bytes of dynamic shared memory, over the 48 KB CUDA allows by default");
+    return;
+  }
   std::mt19937_64 random(options().seed++);
   std::vector<unsigned> order(grid);
   for (unsigned i = 0; i < grid; ++i) order[i] = i;

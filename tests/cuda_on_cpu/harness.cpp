@@ -77,14 +77,20 @@ struct Emulated {
 
   template <typename F>
   static void with_flags(const KernelVariant& v, F&& f) {
-    using Yes = std::true_type;
-    using No = std::false_type;
-    if (v.diff && v.hist) return f(Yes{}, Yes{}, Yes{});
-    if (v.diff) return f(Yes{}, No{}, Yes{});
-    if (v.full && v.hist) return f(Yes{}, Yes{}, No{});
-    if (v.full) return f(Yes{}, No{}, No{});
-    if (v.hist) return f(No{}, Yes{}, No{});
-    f(No{}, No{}, No{});
+    with_histogram(v, [&](auto hist) {
+      using Yes = std::true_type;
+      using No = std::false_type;
+      if (v.diff) return f(Yes{}, hist, Yes{});
+      if (v.full) return f(Yes{}, hist, No{});
+      f(No{}, hist, No{});
+    });
+  }
+
+  template <typename F>
+  static void with_histogram(const KernelVariant& v, F&& f) {
+    if (v.hist == kBinsPerThread) return f(std::integral_constant<int, kBinsPerThread>{});
+    if (v.hist == kBinsPerBlock) return f(std::integral_constant<int, kBinsPerBlock>{});
+    f(std::integral_constant<int, kNoHistogram>{});
   }
 };
 
@@ -106,6 +112,7 @@ __global__ void shuffle_beside_a_barrier() {
 __global__ void lane_outside_the_mask_calls() {
   if (threadIdx.x == 5) __match_any_sync(0x1u, 0);
 }
+__global__ void nothing() {}  // launched with more shared memory than CUDA grants by default
 
 StreamRegions& regions() {
   static StreamRegions r(kRegions);
@@ -134,11 +141,12 @@ void harness_counts(int64_t* out) {
   for (int i = 0; i < 6; ++i) out[i] = values[i];
 }
 
-// Runs rule breaker `which` (0, 1 or 2) on one block of 32 threads.
+// Runs rule breaker `which` (0, 1, 2 or 3) on one block of 32 threads.
 void harness_break_a_rule(int which) {
   if (which == 0) cuda_on_cpu::launch(shuffle_outside_its_mask, 1, 32, 0);
   if (which == 1) cuda_on_cpu::launch(shuffle_beside_a_barrier, 1, 32, 0);
   if (which == 2) cuda_on_cpu::launch(lane_outside_the_mask_calls, 1, 32, 0);
+  if (which == 3) cuda_on_cpu::launch(nothing, 1, 32, 48 * 1024 + 1);
 }
 
 // The launch plan (plan_launch) of n values of `dtype` at `x`: out = {head, blocks}.
