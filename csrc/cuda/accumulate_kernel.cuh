@@ -56,12 +56,24 @@ __device__ void block_reduce(Stats& s) {
 
 // Extremes and counts of a thread's values; the extremes become NaN once a value is. A
 // thread's counts fit 32 bits: its grid-stride share of even 2^40 values is far below 2^32.
+// Within a segment the counts are kept in float, each value's a compare that gives 1.0 or 0.0
+// and an add (a predicated integer increment compiles to two instructions and a compare):
+// exact, as a segment holds at most kSegmentLoads * 8 values (16-byte loads of 2-byte values).
 template <typename Acc>
 struct Extremes {
   Acc min = static_cast<Acc>(INFINITY);
   Acc max = static_cast<Acc>(-INFINITY);
   unsigned int near_zero = 0;
   unsigned int nonfinite = 0;
+  float segment_near_zero = 0.0f;
+  float segment_nonfinite = 0.0f;
+
+  __device__ void end_segment() {
+    near_zero += static_cast<unsigned int>(segment_near_zero);
+    nonfinite += static_cast<unsigned int>(segment_nonfinite);
+    segment_near_zero = 0.0f;
+    segment_nonfinite = 0.0f;
+  }
 };
 
 // The minimum and maximum of a and b, NaN when either is: one instruction each from sm_80 on.
@@ -248,9 +260,8 @@ __device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, Acc s
       a.s4 += d2 * d2;
       e.min = min_or_nan(e.min, value);
       e.max = max_or_nan(e.max, value);
-      // Predicated increments (one instruction each), not a select and an add.
-      if (value <= near_zero) ++e.near_zero;
-      if (!(fabs(value) <= kLargest<Acc>)) ++e.nonfinite;  // infinite or NaN
+      e.segment_near_zero += value <= near_zero ? 1.0f : 0.0f;
+      e.segment_nonfinite += fabs(value) <= kLargest<Acc> ? 0.0f : 1.0f;  // infinite or NaN
     }
     if constexpr (Hist != kNoHistogram) count_bin<Hist>(value, table, hist);
   }
@@ -293,6 +304,7 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
       }
       sums.add(group);
     }
+    if constexpr (Full) e.end_segment();
     const auto count = static_cast<double>(segment_loads * Width);
     Stats segment;
     moments_from_shifted_sums<Full>(segment, count, shift, sums.s1, sums.s2, sums.s3, sums.s4);
