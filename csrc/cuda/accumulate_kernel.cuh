@@ -267,6 +267,33 @@ __device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, Acc s
   }
 }
 
+// Adds the group of Loads loads at i, i + step, ... to `sums`: all issued before the first is
+// used, summed in working precision, then added in double. Checked: loads at or past `end` are
+// left out (a thread's last group).
+template <typename Acc, bool Full, int Hist, int Loads, bool Checked, typename T, int Width,
+          bool Diff>
+__device__ void add_group(const Reader<T, Width, Diff>& r, int64_t i, int64_t end, int64_t step,
+                          Acc shift, Acc near_zero, const BinTable<Acc>& table,
+                          const BinCounts& hist, PowerSums<double>& sums, Extremes<Acc>& e) {
+  Load<T, Width> v[Loads];
+  Load<T, Width> b[Loads];
+#pragma unroll
+  for (int u = 0; u < Loads; ++u) {
+    if (!Checked || i + u * step < end) {
+      v[u] = r.x[i + u * step];
+      b[u] = r.base_at(i + u * step);
+    }
+  }
+  PowerSums<Acc> group;
+#pragma unroll
+  for (int u = 0; u < Loads; ++u) {
+    if (!Checked || i + u * step < end) {
+      add_load<Acc, Full, Hist, Diff>(v[u], b[u], shift, near_zero, table, hist, group, e);
+    }
+  }
+  sums.add(group);
+}
+
 // A thread's share of `loads` loads of Width values: loads first, first + step, ... Each segment
 // of kSegmentLoads is summed in working precision around the thread's running mean (at first,
 // the mean of its first load), kLoadsInFlight loads at a time (each group's sums in working
@@ -285,24 +312,20 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
     const int64_t end = begin + segment_loads * step;
     PowerSums<double> sums;
     constexpr int kInFlight = kLoadsInFlight<Full, Hist>;
-    for (int64_t i = begin; i < end; i += kInFlight * step) {
-      Load<T, Width> v[kInFlight];
-      Load<T, Width> b[kInFlight];
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u) {
-        if (i + u * step < end) {
-          v[u] = r.x[i + u * step];
-          b[u] = r.base_at(i + u * step);
-        }
+    // Every group but a thread's last is whole: its loads need no bounds check. Beside the
+    // per-thread bin counters ptxas then holds a group's second load back until the first is
+    // used (half the bytes in flight, by cuda_roofline.py), so those kernels check every group.
+    int64_t i = begin;
+    if constexpr (Hist != kBinsPerThread) {
+      const int64_t whole_end = begin + segment_loads / kInFlight * kInFlight * step;
+      for (; i < whole_end; i += kInFlight * step) {
+        add_group<Acc, Full, Hist, kInFlight, false>(r, i, end, step, shift, near_zero, table, hist,
+                                                     sums, e);
       }
-      PowerSums<Acc> group;
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u) {
-        if (i + u * step < end) {
-          add_load<Acc, Full, Hist, Diff>(v[u], b[u], shift, near_zero, table, hist, group, e);
-        }
-      }
-      sums.add(group);
+    }
+    for (; i < end; i += kInFlight * step) {
+      add_group<Acc, Full, Hist, kInFlight, true>(r, i, end, step, shift, near_zero, table, hist,
+                                                  sums, e);
     }
     if constexpr (Full) e.end_segment();
     const auto count = static_cast<double>(segment_loads * Width);
