@@ -11,8 +11,6 @@ import pytest
 from conftest import FUSED, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
 MODES = ("mean+std", "every extra", "every extra + hist")
 VARIANTS = [
     "no hooks",

@@ -69,10 +69,6 @@ def test_the_emulation_catches_broken_rules(which, said):
     assert said in message
 
 
-# The most bins a kernel counts in each thread's own column (kernel_layout.h).
-THREAD_BINS = 40
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("full", "bins"), [(False, 0), (True, 0), (True, 40), (False, 2048)])
 def test_block_orders_lane_splits_and_workers_give_identical_bits(dtype, full, bins):
@@ -83,7 +79,8 @@ def test_block_orders_lane_splits_and_workers_give_identical_bits(dtype, full, b
     for seed, workers, split in [(1, 4, False), (2, 1, True), (3, 3, True)]:
         cuda_on_cpu.configure(workers=workers, split_lanes=split, seed=seed)
         runs.append(_results(cuda_on_cpu.accumulate, calls, full, bins))
-    if bins > THREAD_BINS:  # counted per block: lanes that share a bin find each other
+    # Counted per block beyond kThreadBins: lanes that share a bin find each other.
+    if bins > cuda_on_cpu.library().harness_thread_bins():
         assert cuda_on_cpu.counts()["lane_splits"] > before, "no lanes were ever split"
     for run in runs[1:]:
         for a, b in zip(runs[0], run, strict=True):

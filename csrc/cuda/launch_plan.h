@@ -131,21 +131,19 @@ inline KernelVariant variant_of(int dtype, bool list, bool full, int64_t bins, b
 // float64 values are summed in double, every other dtype in float (Accumulator).
 inline bool sums_in_double(const KernelVariant& v) { return v.dtype == 1; }
 
-// The dynamic shared memory of a kernel: bin edges and bin counters.
+// The dynamic shared memory of a kernel counting a histogram as `hist` says, its bin edges `acc`
+// bytes each: the edges and the bin counters.
+constexpr size_t histogram_bytes(int hist, size_t acc) {
+  return static_cast<size_t>(bin_edges(hist)) * acc +
+         static_cast<size_t>(bin_counters(hist)) * sizeof(unsigned int);
+}
 inline size_t shared_bytes(const KernelVariant& v) {
-  const size_t acc = sums_in_double(v) ? sizeof(double) : sizeof(float);
-  return static_cast<size_t>(bin_edges(v.hist)) * acc +
-         static_cast<size_t>(bin_counters(v.hist)) * sizeof(unsigned int);
+  return histogram_bytes(v.hist, sums_in_double(v) ? sizeof(double) : sizeof(float));
 }
 // A kernel launched with more dynamic shared memory than 48 KB must opt in first; none needs to.
-static_assert(bin_edges(kBinsPerThread) * sizeof(double) +
-                      bin_counters(kBinsPerThread) * sizeof(unsigned int) <=
-                  48 * 1024,
-              "the per-thread bin counters outgrow 48 KB of shared memory");
-static_assert(bin_edges(kBinsPerBlock) * sizeof(double) +
-                      bin_counters(kBinsPerBlock) * sizeof(unsigned int) <=
-                  48 * 1024,
-              "the block's bin table outgrows 48 KB of shared memory");
+static_assert(histogram_bytes(kBinsPerThread, sizeof(double)) <= 48 * 1024 &&
+                  histogram_bytes(kBinsPerBlock, sizeof(double)) <= 48 * 1024,
+              "a histogram outgrows the 48 KB of shared memory a launch gets without opting in");
 
 }  // namespace cuda
 }  // namespace fasthooks

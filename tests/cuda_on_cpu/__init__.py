@@ -43,6 +43,7 @@ _SIGNATURES = {
     "harness_max_blocks": ([], _I64),
     "harness_regions": ([], _I64),
     "harness_min_blocks_per_sm": ([], _I64),
+    "harness_thread_bins": ([], _I64),
     "harness_resident_blocks": ([], _I64),
     "harness_options": ([_INT, _INT, ctypes.c_ulonglong], None),
     "harness_counts": ([_P], None),

@@ -129,6 +129,7 @@ int64_t harness_workspace_doubles() { return kWorkspaceDoubles; }
 int64_t harness_max_blocks() { return kMaxBlocks; }
 int64_t harness_regions() { return kRegions; }
 int64_t harness_min_blocks_per_sm() { return kMinBlocksPerSM; }
+int64_t harness_thread_bins() { return kThreadBins; }
 
 void harness_options(int workers, int split_lanes, unsigned long long seed) {
   cuda_on_cpu::options() = {workers, split_lanes != 0, seed};
