@@ -56,9 +56,10 @@ __device__ void block_reduce(Stats& s) {
 
 // Extremes and counts of a thread's values; the extremes become NaN once a value is. A
 // thread's counts fit 32 bits: its grid-stride share of even 2^40 values is far below 2^32.
-// Within a segment the counts are kept in float, each value's a compare that gives 1.0 or 0.0
-// and an add (a predicated integer increment compiles to two instructions and a compare):
+// Within a segment the near-zero count is kept in float, each value's a compare that gives 1.0
+// or 0.0 and an add (a predicated integer increment compiles to two instructions and a compare):
 // exact, as a segment holds at most kSegmentLoads * 8 values (16-byte loads of 2-byte values).
+// Non-finite values are counted only in a segment that holds one (thread_pass).
 template <typename Acc>
 struct Extremes {
   Acc min = static_cast<Acc>(INFINITY);
@@ -66,13 +67,14 @@ struct Extremes {
   unsigned int near_zero = 0;
   unsigned int nonfinite = 0;
   float segment_near_zero = 0.0f;
-  float segment_nonfinite = 0.0f;
+  // With kPairedExtremes, in place of min and max until the block merges (set to infinities
+  // of the format by accumulate_block).
+  uint32_t min_pair = 0;
+  uint32_t max_pair = 0;
 
   __device__ void end_segment() {
     near_zero += static_cast<unsigned int>(segment_near_zero);
-    nonfinite += static_cast<unsigned int>(segment_nonfinite);
     segment_near_zero = 0.0f;
-    segment_nonfinite = 0.0f;
   }
 };
 
@@ -100,6 +102,59 @@ __device__ inline double min_or_nan(double a, double b) {
 }
 __device__ inline double max_or_nan(double a, double b) {
   return a != a || b != b ? a + b : fmax(a, b);
+}
+
+// 16-bit values read as they are (not a difference) keep their extremes as pairs of lanes in
+// one 32-bit word, each lane the extreme of every other value of its load: a min.NaN and a
+// max.NaN of two values at a time, half the instructions of one value at a time.
+template <typename T, bool Diff>
+constexpr bool kPairedExtremes = sizeof(T) == 2 && !Diff;
+
+// A lane's bits: those of infinity, above which (sign aside) a lane is NaN.
+template <typename T>
+constexpr uint32_t kInfinityBits = 0x7f80u;  // bfloat16
+template <>
+constexpr uint32_t kInfinityBits<c10::Half> = 0x7c00u;
+
+// Lane a or b (16 bits each): the larger (Max) or the smaller, NaN where either is. Floats of
+// one sign order as their magnitudes' bits, so a key that flips the negative ones orders all.
+template <typename T, bool Max>
+__device__ inline uint32_t lane_extreme(uint32_t a, uint32_t b) {
+  if ((a & 0x7fffu) > kInfinityBits<T>) return a;
+  if ((b & 0x7fffu) > kInfinityBits<T>) return b;
+  const auto key = [](uint32_t h) { return h & 0x8000u ? ~h & 0xffffu : h | 0x8000u; };
+  return (key(a) < key(b)) == Max ? b : a;
+}
+
+// The extremes of two pairs, lane by lane: one instruction each from sm_80 on.
+template <typename T, bool Max>
+__device__ inline uint32_t pair_extreme(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  if constexpr (sizeof(T) == 2 && kInfinityBits<T> == 0x7c00u) {
+    if constexpr (Max) {
+      asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    } else {
+      asm("min.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    }
+  } else if constexpr (Max) {
+    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  } else {
+    asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  }
+  return r;
+#else
+  return lane_extreme<T, Max>(a & 0xffffu, b & 0xffffu) | lane_extreme<T, Max>(a >> 16, b >> 16)
+                                                              << 16;
+#endif
+}
+
+// Lane k (0 or 1) of a pair as a float.
+template <typename T>
+__device__ inline float lane_value(uint32_t pair, int k) {
+  T t;
+  t.x = static_cast<uint16_t>(pair >> (16 * k));
+  return static_cast<float>(t);
 }
 
 // The largest finite Acc: a value is finite exactly when its magnitude is at most this.
@@ -198,16 +253,21 @@ __device__ Acc load_mean(const Reader<T, Width, Diff>& r, int64_t i) {
 }
 
 // Moments of one segment's values (loads begin, begin + step, ... before end) in double, around
-// their own mean: for a segment whose float sums overflowed or underflowed, or whose shift
-// proved far from its mean.
+// their own mean: for a segment whose float sums overflowed or underflowed (as one infinite or
+// NaN value makes them), or whose shift proved far from its mean. With Full, the infinite and
+// NaN values (in Acc, as the other statistics see them) are counted on the way.
 template <typename Acc, bool Full, typename T, int Width, bool Diff>
 __device__ Stats segment_in_double(const Reader<T, Width, Diff>& r, int64_t begin, int64_t end,
-                                   int64_t step) {
+                                   int64_t step, unsigned int& nonfinite) {
   double sum = 0.0, count = 0.0;
   for (int64_t i = begin; i < end; i += step) {
     const Load<T, Width> v = r.x[i];
     const Load<T, Width> b = r.base_at(i);
-    for (int k = 0; k < Width; ++k) sum += static_cast<double>(value_of<Acc, Diff>(v, b, k));
+    for (int k = 0; k < Width; ++k) {
+      const Acc value = value_of<Acc, Diff>(v, b, k);
+      sum += static_cast<double>(value);
+      if constexpr (Full) nonfinite += !(fabs(value) <= kLargest<Acc>);
+    }
     count += Width;
   }
   Stats s;
@@ -248,6 +308,16 @@ template <typename Acc, bool Full, int Hist, bool Diff, typename T, int Width>
 __device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, Acc shift, Acc near_zero,
                          const BinTable<Acc>& table, const BinCounts& hist, PowerSums<Acc>& a,
                          Extremes<Acc>& e) {
+  constexpr bool kPaired = Full && kPairedExtremes<T, Diff> && Width % 2 == 0;
+  if constexpr (kPaired) {
+#pragma unroll
+    for (int k = 0; k < Width; k += 2) {
+      const uint32_t pair =
+          static_cast<uint32_t>(v.val[k].x) | static_cast<uint32_t>(v.val[k + 1].x) << 16;
+      e.min_pair = pair_extreme<T, false>(e.min_pair, pair);
+      e.max_pair = pair_extreme<T, true>(e.max_pair, pair);
+    }
+  }
 #pragma unroll
   for (int k = 0; k < Width; ++k) {
     const Acc value = value_of<Acc, Diff>(v, b, k);
@@ -258,10 +328,11 @@ __device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, Acc s
     if constexpr (Full) {
       a.s3 += d2 * d;
       a.s4 += d2 * d2;
-      e.min = min_or_nan(e.min, value);
-      e.max = max_or_nan(e.max, value);
+      if constexpr (!kPaired) {
+        e.min = min_or_nan(e.min, value);
+        e.max = max_or_nan(e.max, value);
+      }
       e.segment_near_zero += value <= near_zero ? 1.0f : 0.0f;
-      e.segment_nonfinite += fabs(value) <= kLargest<Acc> ? 0.0f : 1.0f;  // infinite or NaN
     }
     if constexpr (Hist != kNoHistogram) count_bin<Hist>(value, table, hist);
   }
@@ -296,7 +367,7 @@ __device__ void add_group(const Reader<T, Width, Diff>& r, int64_t i, int64_t en
 
 // A thread's share of `loads` loads of Width values: loads first, first + step, ... Each segment
 // of kSegmentLoads is summed in working precision around the thread's running mean (at first,
-// the mean of its first load), kLoadsInFlight loads at a time (each group's sums in working
+// the mean of its first load), loads_in_flight loads at a time (each group's sums in working
 // precision, added to the segment's in double), and merged into `moments` in double, so no
 // choice of first values spoils the rest; extremes, counts and the histogram are taken on the
 // way.
@@ -311,7 +382,7 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
     const int64_t segment_loads = rest < kSegmentLoads ? rest : kSegmentLoads;
     const int64_t end = begin + segment_loads * step;
     PowerSums<double> sums;
-    constexpr int kInFlight = kLoadsInFlight<Full, Hist>;
+    constexpr int kInFlight = loads_in_flight<T, Full, Hist, Diff>();
     // Every group but a thread's last is whole: its loads need no bounds check. Beside the
     // per-thread bin counters ptxas then holds a group's second load back until the first is
     // used (half the bytes in flight, by cuda_roofline.py), so those kernels check every group.
@@ -332,12 +403,14 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
     Stats segment;
     moments_from_shifted_sums<Full>(segment, count, shift, sums.s1, sums.s2, sums.s3, sums.s4);
     // The rounding error of the float sums grows with (mean - shift)^2 / variance: beyond two
-    // standard deviations it could exceed 1e-7 of m2 (or more of m4).
+    // standard deviations it could exceed 1e-7 of m2 (or more of m4). An infinite or NaN value
+    // makes the sums infinite or NaN (finite values do so only by overflowing), so a segment
+    // whose sums are finite holds no such value, and the others count theirs when read again.
     const double d = sums.s1 / count;
     const bool far = count * d * d > 4.0 * segment.m2 && isfinite(segment.mean);
     if (far || !isfinite(sums.s1 + sums.s2 + sums.s3 + sums.s4) ||
         spread_underflows<Acc, Full>(segment, count)) {
-      segment = segment_in_double<Acc, Full>(r, begin, end, step);
+      segment = segment_in_double<Acc, Full>(r, begin, end, step, e.nonfinite);
     }
     moments = merge<Full>(moments, segment);
   }
@@ -369,6 +442,10 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
   const Acc near_zero = static_cast<Acc>(b.near_zero);
   Stats moments;
   Extremes<Acc> e;
+  if constexpr (kPairedExtremes<T, Diff>) {
+    e.min_pair = kInfinityBits<T> * 0x10001u;
+    e.max_pair = (kInfinityBits<T> | 0x8000u) * 0x10001u;
+  }
   constexpr int kVec = kVecBytes / sizeof(T);
   const int64_t step = static_cast<int64_t>(blocks) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(block) * blockDim.x + threadIdx.x;
@@ -409,6 +486,12 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
   }
 
   if constexpr (Full) {
+    if constexpr (kPairedExtremes<T, Diff>) {
+      const Acc pair_min = min_or_nan(lane_value<T>(e.min_pair, 0), lane_value<T>(e.min_pair, 1));
+      const Acc pair_max = max_or_nan(lane_value<T>(e.max_pair, 0), lane_value<T>(e.max_pair, 1));
+      e.min = min_or_nan(e.min, pair_min);
+      e.max = max_or_nan(e.max, pair_max);
+    }
     moments.min = static_cast<double>(e.min);
     moments.max = static_cast<double>(e.max);
     moments.near_zero = static_cast<double>(e.near_zero);

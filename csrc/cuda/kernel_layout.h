@@ -25,10 +25,17 @@ constexpr int kBinsPerBlock = 2;
 // kThreads threads: 42 KB, within the 48 KB a launch may ask for without opting in to more, and
 // three blocks fit an A100's, H100's, H200's or B200's multiprocessor.
 constexpr int64_t kThreadBins = 40;
-// Loads a thread issues before it uses the first of them: four where only mean and std are
-// kept (registers to spare), two beside every statistic's registers.
-template <bool Full, int Hist>
-constexpr int kLoadsInFlight = Full || Hist != kNoHistogram ? 2 : 4;
+// Loads a thread issues before it uses the first of them (a load and its base's with Diff): as
+// many as the registers hold beside the statistics', which keeps twice what an H200 needs to
+// hide its memory's latency in flight where ptxas allows (benchmarks/cuda_roofline.py). Fewer
+// where the statistics are kept in double, or where a block's bin search and 16-bit unpacking
+// would otherwise spill in the loop.
+template <typename T, bool Full, int Hist, bool Diff>
+C10_HOST_DEVICE constexpr int loads_in_flight() {
+  if (!Full && Hist == kNoHistogram) return Diff ? 4 : (sizeof(T) == 4 ? 8 : 6);
+  const bool tight = sizeof(T) == 8 || (sizeof(T) == 2 && Hist == kBinsPerBlock);
+  return Diff ? (tight ? 2 : 3) : (tight ? 4 : 6);
+}
 // Per-block partial results: one Stats, as the state planes.
 constexpr int64_t kPartials = kFullPlanes;
 // Shared memory is sized for the most bins fasthooks/layout.py allows.
