@@ -30,9 +30,11 @@ MODEL_ZOO := torchvision==0.29.1 timm==1.0.31 $(TRANSFORMERS)
 DISASSEMBLER := nvidia-cuda-nvdisasm==13.2.51
 # Drop pip's notes about unreachable local index folders; keep everything else it says.
 PIP_FILTER := { grep -v "is neither a file nor a directory" || true; }
-# The NVRTC that torch 2.10.0's CUDA 12.8 build installs: the kernels must compile with it too.
-NVRTC_CU12 := nvidia-cuda-nvrtc-cu12==12.8.93
-NVRTC_CU12_DIR := build/nvrtc-cu12
+# torch 2.10.0 (the oldest torch the binary serves) as PyPI ships it, a CUDA 12.8 build with its
+# NVRTC 12.8: the wheel must load beside it and every kernel compile with its NVRTC.
+CU12_VENV := .venv-cu12
+TORCH_CU12 := torch==2.10.0
+CU12_WHEEL_VENV := build/wheel-venv-cu12
 # torch.compile's caches stay inside the work tree (removed by `make clean`), not in /tmp.
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/build/inductor-cache
 export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
@@ -119,6 +121,12 @@ test-isa: build $(WHEELS)
 		$(VENV)/bin/python
 	$(VENV)/bin/python tests/isa_matrix.py --aarch64 $(AARCH64)
 
+$(CU12_VENV)/.ready: Makefile
+	test -x $(CU12_VENV)/bin/python || $(PYTHON) -m venv $(CU12_VENV)
+	$(CU12_VENV)/bin/pip install $(PIP_QUIET) --no-cache-dir $(TORCH_CU12) numpy pytest pytest-xdist \
+		hypothesis setuptools wheel 2>&1 | $(PIP_FILTER)
+	touch $@
+
 $(CUDA_VENV)/.ready: Makefile
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) numpy pytest pytest-xdist hypothesis ninja \
@@ -126,17 +134,21 @@ $(CUDA_VENV)/.ready: Makefile
 		2>&1 | $(PIP_FILTER)
 	touch $@
 
-# No GPU needed: every CUDA kernel compiled by NVRTC 12.8 (the one torch 2.10.0's CUDA 12.8 build
-# installs) for sm_80 to sm_120, and the instructions-per-element and register tables of
-# docs/cuda.md checked against the SASS of the kernels NVRTC 13.0 compiles (the wheel's venv).
-## test-cuda-kernels: the CUDA kernels compiled by NVRTC 12.8, and docs/cuda.md's tables checked
-test-cuda-kernels:
+# No GPU needed: the x86-64 wheel installed with pip into a fresh venv beside torch 2.10.0 (CUDA
+# 12.8), loading there with its CUDA kernels registered, every kernel compiled by that torch's
+# NVRTC 12.8 for sm_80 to sm_120, its cache and `python -m fasthooks` checked; then the
+# instructions-per-element table of docs/cuda.md checked against the SASS of the kernels NVRTC
+# 13.0 compiles (the wheel's venv beside torch 2.14.1).
+## test-cuda-kernels: the wheel beside torch 2.10.0 (CUDA 12.8), and docs/cuda.md's tables checked
+test-cuda-kernels: $(WHEELS) $(CU12_VENV)/.ready
 	test -x $(WHEEL_VENV)/bin/python || $(MAKE) --no-print-directory wheel-venv
-	test -d $(NVRTC_CU12_DIR) || $(VENV)/bin/pip install $(PIP_QUIET) --no-deps \
-		--target $(NVRTC_CU12_DIR) $(NVRTC_CU12) 2>&1 | $(PIP_FILTER)
-	FASTHOOKS_NVRTC=$(CURDIR)/$(NVRTC_CU12_DIR)/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 \
-		FASTHOOKS_REQUIRE_NVRTC=1 FASTHOOKS_CACHE_DIR=$(CURDIR)/build/kernel-cache-cu12 \
-		$(WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -q -n 2 tests/test_cuda_compile.py
+	site=$$(bash tests/wheel_venv.sh $(CU12_WHEEL_VENV) $(CU12_VENV)/bin/python \
+		dist/fasthooks-*-abi3-*x86_64.whl) && \
+	PYTHONSAFEPATH=1 FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_NVRTC=1 FASTHOOKS_WHEEL_DIR=$$site \
+		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU_VERSION) \
+		FASTHOOKS_CACHE_DIR=$(CURDIR)/build/kernel-cache-cu12 \
+		$(CU12_WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -q -n 2 \
+		tests/test_extension.py tests/test_cuda_compile.py
 	FASTHOOKS_CACHE_DIR=$(CURDIR)/build/kernel-cache $(WHEEL_VENV)/bin/python -P \
 		benchmarks/cuda_roofline.py --check docs/cuda.md --out build/cuda/roofline > /dev/null
 
@@ -179,20 +191,24 @@ sdist: $(VENV)/.ready
 	$(VENV)/bin/python -m build --sdist --no-isolation --outdir dist . 2>&1 | tail -n 1
 
 # That wheel installed with pip into a fresh virtual environment that sees the CUDA venv's
-# packages (torch 2.14.1, a CUDA 13.0 build, which runs on the CPU too, with its NVRTC): the suite
-# there but its large tensors (test-cpu's), with the extension required to load, every CUDA
-# kernel compiled for sm_80 to sm_120, and the model zoo (timm needs this venv's torchvision).
+# packages (torch 2.14.1, a CUDA 13.0 build, which runs on the CPU too, with its NVRTC): what a
+# torch other than the one it was built with, and a CUDA build, can break (loading, the operator,
+# torch.compile, the CUDA host code), every CUDA kernel compiled for sm_80 to sm_120 and its
+# register table, and the model zoo (timm needs this venv's torchvision). test-cpu runs the rest.
 ## wheel-venv: the x86-64 wheel built and installed into build/wheel-venv beside torch 2.14.1
 wheel-venv: $(WHEELS) $(CUDA_VENV)/.ready
 	bash tests/wheel_venv.sh $(WHEEL_VENV) $(CUDA_VENV)/bin/python dist/fasthooks-*-abi3-*x86_64.whl
 
-## test-wheel: that wheel installed beside torch 2.14.1 (CUDA 13.0), and the suite run there
+WHEEL_TESTS := $(addprefix tests/,test_extension.py test_operator.py test_operator_list.py \
+	test_compile.py test_cuda.py test_cuda_compile.py test_cuda_resources.py test_model_zoo.py)
+## test-wheel: that wheel installed beside torch 2.14.1 (CUDA 13.0), and what it can break tested
 test-wheel: wheel-venv
 	PYTHONSAFEPATH=1 FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_NVRTC=1 FASTHOOKS_REQUIRE_MODEL_ZOO=1 \
 		FASTHOOKS_WHEEL_DIR=$$($(WHEEL_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])") \
 		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU_VERSION) \
 		FASTHOOKS_CACHE_DIR=$(CURDIR)/build/kernel-cache \
-		$(WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -n 2 -m "not cuda_on_cpu and not slow"
+		$(WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -n 2 -m "not cuda_on_cpu and not slow" \
+		$(WHEEL_TESTS)
 
 # The sdist installed with pip (no build isolation, against .venv's torch) into a folder of its
 # own, and the operator's tests run on that build.
