@@ -9,15 +9,19 @@ Environment:
     FASTHOOKS_NVRTC: the NVRTC library to use (a path), in place of the one found beside torch.
     FASTHOOKS_CACHE_DIR: where compiled kernels are kept (default: $XDG_CACHE_HOME/fasthooks,
         or ~/.cache/fasthooks).
+    FASTHOOKS_CACHE_LOCK_WAIT: seconds a process waits for another that is compiling the same
+        kernel before it compiles the kernel itself (default 120).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import re
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +30,7 @@ import torch
 # Positions of the dtypes the kernels read (csrc/dtype_dispatch.h, dtype_position).
 DTYPE_POSITIONS = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 _OUT_SIZE = 4096
+LOCK_WAIT_SECONDS = 120.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,27 @@ def cache_dir() -> str:
         home = os.path.join(tempfile.gettempdir(), f"fasthooks-{os.getuid()}")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
     return os.path.join(base, "fasthooks", "cuda-kernels")
+
+
+def lock_wait() -> float:
+    """Seconds to wait for another process's compile of a kernel: FASTHOOKS_CACHE_LOCK_WAIT, or
+    LOCK_WAIT_SECONDS (with a warning where the variable is not a number of seconds)."""
+    given = os.environ.get("FASTHOOKS_CACHE_LOCK_WAIT")
+    if not given:
+        return LOCK_WAIT_SECONDS
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = math.nan
+    if not (0.0 <= seconds < math.inf):
+        warnings.warn(
+            f"FASTHOOKS_CACHE_LOCK_WAIT must be a number of seconds, 0 or more, not {given!r}: "
+            f"waiting {LOCK_WAIT_SECONDS:g} s",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return LOCK_WAIT_SECONDS
+    return seconds
 
 
 def nvrtc_candidates() -> list[Path]:
@@ -140,7 +166,10 @@ def configure() -> CudaSetup:
     directory = cache_dir()
     table = (ctypes.c_void_p * len(addresses))(*addresses)
     lib.fasthooks_cuda_setup(
-        table, directory.encode(), unavailable.encode() if unavailable else None
+        table,
+        directory.encode(),
+        ctypes.c_double(lock_wait()),
+        unavailable.encode() if unavailable else None,
     )
     return CudaSetup(nvrtc_path, _version(nvrtc), directory, unavailable)
 

@@ -6,6 +6,7 @@ Runs where an NVRTC is found (a CUDA build of torch); FASTHOOKS_REQUIRE_NVRTC=1 
 one a failure.
 """
 
+import fcntl
 import itertools
 import os
 import subprocess
@@ -125,6 +126,37 @@ def test_four_processes_compiling_at_once_compile_once(tmp_path):
     name, image = _image(results[0][1])
     assert name.startswith(b"_Z") and image[:4] == b"\x7fELF"
     assert [p.name for p in tmp_path.iterdir() if ".tmp." in p.name] == []
+
+
+def test_a_process_that_holds_the_lock_too_long_is_not_waited_for(tmp_path):
+    # A rank stopped or hung in its compile must not hang the others: past
+    # FASTHOOKS_CACHE_LOCK_WAIT they compile the kernel themselves, into the same file.
+    _, path = _compile_in_a_process(tmp_path)
+    os.remove(path)
+    with open(path.removesuffix(".bin") + ".lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        env = subprocess_env(FASTHOOKS_CACHE_DIR=str(tmp_path), FASTHOOKS_CACHE_LOCK_WAIT="0.5")
+        done = subprocess.run(
+            [sys.executable, "-c", COMPILE_ONCE],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+    compiled, again = done.stdout.split()
+    assert compiled == "1" and again == path
+    assert "for over 0.5 s" in done.stderr and "compiling it here too" in done.stderr
+    assert _image(path)[1][:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("given", ["soon", "-1", "inf", "nan"])
+def test_a_lock_wait_that_is_not_seconds_warns_and_waits_the_default(given, monkeypatch):
+    monkeypatch.setenv("FASTHOOKS_CACHE_LOCK_WAIT", given)
+    with pytest.warns(RuntimeWarning, match=f"FASTHOOKS_CACHE_LOCK_WAIT .* not '{given}'"):
+        assert cuda_setup.lock_wait() == cuda_setup.LOCK_WAIT_SECONDS
+    monkeypatch.setenv("FASTHOOKS_CACHE_LOCK_WAIT", "2.5")
+    assert cuda_setup.lock_wait() == 2.5
 
 
 def test_an_unwritable_cache_still_compiles(tmp_path, monkeypatch):

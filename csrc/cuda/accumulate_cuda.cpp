@@ -26,7 +26,7 @@ struct Setup {
   std::mutex mutex;
   std::atomic<bool> ready{false};
   CudaApi api{};
-  std::string cache_dir;
+  KernelCache cache;
   std::string unavailable = "fasthooks.cuda_setup has not run";
 };
 
@@ -151,7 +151,7 @@ const LoadedKernel& kernel_on(const KernelVariant& v, int device) {
   const std::lock_guard<std::mutex> lock(load_mutex);
   kernel = slot.load(std::memory_order_acquire);
   if (kernel == nullptr) {
-    const std::string& cache = setup().cache_dir;
+    const KernelCache& cache = setup().cache;
     KernelImage image = kernel_image(api(), cache, v, facts.arch, /*log=*/true);
     make_current(device);
     CUresult status = kCudaSuccess;
@@ -233,14 +233,16 @@ const char* fasthooks_cuda_api_name(int i) {
   return i >= 0 && static_cast<size_t>(i) < kApiFunctions ? fasthooks::cuda::kApiNames[i] : nullptr;
 }
 
-// Hands over the functions (in fasthooks_cuda_api_name's order; null where not found) and the
-// cache directory, with `unavailable` saying why the kernels cannot run (null when they can).
-void fasthooks_cuda_setup(void* const* functions, const char* cache_dir, const char* unavailable) {
+// Hands over the functions (in fasthooks_cuda_api_name's order; null where not found), the
+// cache directory and how long to wait for another process's compile of a kernel, with
+// `unavailable` saying why the kernels cannot run (null when they can).
+void fasthooks_cuda_setup(void* const* functions, const char* cache_dir, double lock_wait_seconds,
+                          const char* unavailable) {
   using namespace fasthooks::cuda;
   Setup& s = setup();
   const std::lock_guard<std::mutex> lock(s.mutex);
   std::memcpy(static_cast<void*>(&s.api), functions, sizeof(CudaApi));
-  s.cache_dir = cache_dir;
+  s.cache = KernelCache{cache_dir, lock_wait_seconds};
   s.unavailable = unavailable != nullptr ? unavailable : "";
   s.ready.store(unavailable == nullptr, std::memory_order_release);
 }
@@ -253,8 +255,7 @@ int fasthooks_cuda_compile(int dtype, int list, int full, int bins, int diff, in
   using namespace fasthooks::cuda;
   try {
     const KernelVariant v = variant_of(dtype, list != 0, full != 0, bins, diff != 0);
-    const KernelImage image =
-        kernel_image(compiler_api(), setup().cache_dir, v, arch, /*log=*/false);
+    const KernelImage image = kernel_image(compiler_api(), setup().cache, v, arch, /*log=*/false);
     copy_out(image.path, out, out_size);
     return image.compiled ? 1 : 0;
   } catch (const std::exception& error) {

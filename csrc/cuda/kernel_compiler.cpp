@@ -85,20 +85,33 @@ bool write_atomically(const std::string& path, const std::string& data) {
 }
 
 // An exclusive lock on `path` while it lives (none if the file cannot be made).
+// An exclusive lock on the file at `path` (none for an empty path, or where the file system
+// has no locks), waited for at most `wait_seconds`; timed_out() says the wait ran out.
 class FileLock {
  public:
-  explicit FileLock(const std::string& path)
-      : fd_(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) {
-    if (fd_ >= 0) flock(fd_, LOCK_EX);
+  FileLock(const std::string& path, double wait_seconds)
+      : fd_(path.empty() ? -1 : open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) {
+    if (fd_ < 0) return;
+    constexpr double kPollSeconds = 0.02;
+    for (double waited = 0.0; flock(fd_, LOCK_EX | LOCK_NB) != 0; waited += kPollSeconds) {
+      if (errno != EWOULDBLOCK) return;  // no locks here: go on without one
+      if (waited >= wait_seconds) {
+        timed_out_ = true;
+        return;
+      }
+      usleep(static_cast<useconds_t>(kPollSeconds * 1e6));
+    }
   }
   ~FileLock() {
     if (fd_ >= 0) close(fd_);
   }
   FileLock(const FileLock&) = delete;
   FileLock& operator=(const FileLock&) = delete;
+  bool timed_out() const { return timed_out_; }
 
  private:
   int fd_;
+  bool timed_out_ = false;
 };
 
 // A cache file: a format line, the lowered name, the image's size, each on a line, then the image;
@@ -191,8 +204,9 @@ std::string target_for(const CudaApi& api, int arch) {
   return "compute_" + std::to_string(newest);
 }
 
-KernelImage kernel_image(const CudaApi& api, const std::string& cache_dir, const KernelVariant& v,
+KernelImage kernel_image(const CudaApi& api, const KernelCache& cache, const KernelVariant& v,
                          int arch, bool log, bool refresh) {
+  const std::string& cache_dir = cache.dir;
   const std::string target = target_for(api, arch);
   const std::string version = nvrtc_version(api);
   char hash[17];
@@ -209,11 +223,17 @@ KernelImage kernel_image(const CudaApi& api, const std::string& cache_dir, const
     return image;
   }
   const bool cached = make_directories(cache_dir);
-  const FileLock lock(cached ? stem + ".lock" : std::string());
+  const FileLock lock(cached ? stem + ".lock" : std::string(), cache.lock_wait_seconds);
   // Another process may have compiled it while this one waited for the lock.
   if (!refresh && cached && read_file(path, contents) && parse(contents, image)) {
     image.path = path;
     return image;
+  }
+  if (lock.timed_out()) {
+    std::fprintf(stderr,
+                 "fasthooks: another process has been compiling the CUDA kernel %s for over %g s "
+                 "(it holds %s.lock): compiling it here too\n",
+                 variant_label(v).c_str(), cache.lock_wait_seconds, stem.c_str());
   }
   if (log) {
     std::fprintf(stderr, "fasthooks: compiling the CUDA kernel %s for %s with NVRTC %s, once\n",

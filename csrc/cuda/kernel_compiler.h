@@ -26,10 +26,18 @@ std::string target_for(const CudaApi& api, int arch);
 // "13.0"
 std::string nvrtc_version(const CudaApi& api);
 
-// The image of kernel `v` for `arch`, from the cache in `cache_dir` or compiled now (and then
-// stored there, once however many processes ask at the same time); with `refresh`, compiled anew
-// whatever the cache holds. `log` says so on stderr when it compiles.
-KernelImage kernel_image(const CudaApi& api, const std::string& cache_dir, const KernelVariant& v,
+// The disk cache: its directory, and how long a process waits for another that is compiling
+// the same kernel before it compiles the kernel itself (a stopped or hung process must not hang
+// the others; what either writes is whole, so both are right).
+struct KernelCache {
+  std::string dir;
+  double lock_wait_seconds = 120.0;
+};
+
+// The image of kernel `v` for `arch`, from `cache` or compiled now (and then stored there, once
+// however many processes ask at the same time); with `refresh`, compiled anew whatever the cache
+// holds. `log` says so on stderr when it compiles.
+KernelImage kernel_image(const CudaApi& api, const KernelCache& cache, const KernelVariant& v,
                          int arch, bool log, bool refresh = false);
 
 }  // namespace cuda
