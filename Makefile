@@ -25,8 +25,8 @@ FASTAI_DEPS := fastcore fastdownload fastprogress fasttransform plum-dispatch re
 # Real architectures for the model-zoo test, beside the CUDA venv's torch 2.14.1: timm needs
 # torchvision, and PyPI's torchvision does not import beside torch 2.13.0.
 MODEL_ZOO := torchvision==0.29.1 timm==1.0.31 $(TRANSFORMERS)
-# nvdisasm for benchmarks/cuda_roofline.py: the toolkit's (nvcc 13.0) has none, and the oldest
-# CUDA 13 release of the package reads its cubins.
+# nvdisasm for benchmarks/cuda_roofline.py and cuda_resources.py: the oldest CUDA 13 release of
+# the package reads the cubins of NVRTC 13.0.
 DISASSEMBLER := nvidia-cuda-nvdisasm==13.2.51
 # Drop pip's notes about unreachable local index folders; keep everything else it says.
 PIP_FILTER := { grep -v "is neither a file nor a directory" || true; }
@@ -139,7 +139,7 @@ $(CUDA_VENV)/.ready: Makefile
 # NVRTC 12.8 for sm_80 to sm_120, its cache and `python -m fasthooks` checked; then the
 # instructions-per-element table of docs/cuda.md checked against the SASS of the kernels NVRTC
 # 13.0 compiles (the wheel's venv beside torch 2.14.1).
-## test-cuda-kernels: the wheel beside torch 2.10.0 (CUDA 12.8), and docs/cuda.md's tables checked
+## test-cuda-kernels: the wheel beside torch 2.10.0 (CUDA 12.8), docs/cuda.md's roofline checked
 test-cuda-kernels: $(WHEELS) $(CU12_VENV)/.ready
 	test -x $(WHEEL_VENV)/bin/python || $(MAKE) --no-print-directory wheel-venv
 	site=$$(bash tests/wheel_venv.sh $(CU12_WHEEL_VENV) $(CU12_VENV)/bin/python \

@@ -5,7 +5,8 @@
 # SASS prediction, a training step, ParameterStats, the non-finite guard). Each stage has a time
 # limit and a failing stage does not stop the next. Everything lands in OUT_DIR/results.md, one
 # section per stage with its status and the end of its output. Uses the python3 on PATH (or
-# $PYTHON), which must have a CUDA build of torch, pytest, pytest-xdist and tqdm. Python runs with
+# $PYTHON), which must have a CUDA build of torch, pytest, pytest-xdist, hypothesis, numpy,
+# scikit-learn and tqdm (what the tests and benchmarks import). Python runs with
 # -P, so that the installed package is the one imported, not the source tree.
 #   benchmarks/gpu_check.sh OUT_DIR
 set -uo pipefail

@@ -7,8 +7,8 @@ torch's current-stream function, and the disk cache where compiled kernels are k
 
 Environment:
     FASTHOOKS_NVRTC: the NVRTC library to use (a path), in place of the one found beside torch.
-    FASTHOOKS_CACHE_DIR: where compiled kernels are kept (default: $XDG_CACHE_HOME/fasthooks,
-        or ~/.cache/fasthooks).
+    FASTHOOKS_CACHE_DIR: where compiled kernels are kept (default:
+        $XDG_CACHE_HOME/fasthooks/cuda-kernels, or ~/.cache/fasthooks/cuda-kernels).
     FASTHOOKS_CACHE_LOCK_WAIT: seconds a process waits for another that is compiling the same
         kernel before it compiles the kernel itself (default 120).
 """

@@ -183,8 +183,9 @@ def test_without_a_driver_auto_runs_python_and_fused_is_refused(monkeypatch):
     with pytest.warns(RuntimeWarning, match="cannot run here") as warned:
         assert ops.backend_for_device("fused", "auto", cuda) == "python"
     assert why in str(warned[0].message)
-    with pytest.raises(RuntimeError, match="backend='fused' on cuda"):
+    with pytest.raises(RuntimeError, match="backend='fused' on cuda") as refused:
         ops.backend_for_device("fused", "fused", cuda)
+    assert why in str(refused.value)
     assert why in cuda_setup.prepare(0)
 
 

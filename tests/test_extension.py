@@ -1,5 +1,6 @@
 """Loading the extension: soft when missing, and the kernels each build promises."""
 
+import importlib
 import importlib.util
 import os
 import platform
@@ -294,3 +295,13 @@ def test_python_m_fasthooks_says_what_it_holds_and_checks_its_kernels():
             assert re.search(rf"^ *{key}: ", run.stdout, re.M), run.stdout
     else:
         assert run.returncode == 1 and "did not load" in run.stdout
+
+
+@FUSED
+def test_python_m_fasthooks_exits_1_on_a_mismatch(monkeypatch, capsys):
+    module = importlib.import_module("fasthooks.build_info")  # the package exports its function
+    monkeypatch.setattr(module, "self_check", lambda device, dtype: 1e-2)
+    assert module.main() == 1
+    assert "self-check cpu torch.float32: MISMATCH (largest difference 1.00e-02)" in (
+        capsys.readouterr().out
+    )

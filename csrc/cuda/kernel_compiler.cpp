@@ -84,7 +84,6 @@ bool write_atomically(const std::string& path, const std::string& data) {
   return false;
 }
 
-// An exclusive lock on `path` while it lives (none if the file cannot be made).
 // An exclusive lock on the file at `path` (none for an empty path, or where the file system
 // has no locks), waited for at most `wait_seconds`; timed_out() says the wait ran out.
 class FileLock {
