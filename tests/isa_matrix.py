@@ -7,6 +7,8 @@ picks the build it must. Prints which builds ran where and which this host could
 
 With --aarch64, also the aarch64 wheel that tests/aarch64_venv.sh installed into DIR/venv, under
 qemu-aarch64, with the checks of an installed wheel (its symbols and tags) beside the kernel tests.
+With --require-emulation (make test under CI), an emulated CPU or aarch64 that could not run is a
+failure, not a note.
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ def test_paths(run: str) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--aarch64", type=Path, help="the folder tests/aarch64.sh built into")
+    parser.add_argument(
+        "--require-emulation",
+        action="store_true",
+        help="fail unless the emulated x86-64 CPUs and aarch64 all ran",
+    )
     options, pytest_arguments = parser.parse_known_args()
     aarch64 = options.aarch64.resolve() if options.aarch64 else None
     env = {
@@ -154,6 +161,13 @@ def main() -> int:
         if build not in exercised:
             why = " (its CPU lacks it and qemu-user emulates no AVX-512)" if "512" in build else ""
             print(f"isa matrix: x86-64 {build}: not exercised on this host{why}")
+    emulations = [("qemu-aarch64", arm)]
+    if os.uname().machine == "x86_64":
+        emulations.append(("qemu-x86_64", qemu))
+    missing = [name for name, ran in emulations if not ran]
+    if options.require_emulation and missing:
+        print(f"isa matrix: --require-emulation, but {' and '.join(missing)} did not run")
+        return 1
     return 1 if failed else 0
 
 

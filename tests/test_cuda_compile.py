@@ -189,6 +189,26 @@ def test_without_a_driver_auto_runs_python_and_fused_is_refused(monkeypatch):
     assert why in cuda_setup.prepare(0)
 
 
+def test_without_nvrtc_auto_runs_python_and_fused_is_refused_saying_so(monkeypatch):
+    monkeypatch.delenv("FASTHOOKS_NVRTC", raising=False)
+    monkeypatch.setattr(cuda_setup, "nvrtc_candidates", lambda: [])
+    monkeypatch.setattr(ops, "_warned_no_device_kernel", set())
+    monkeypatch.setattr(ops, "_cuda_setup", cuda_setup.configure())
+    try:
+        why = ops.cuda_status().unavailable
+        assert ops.cuda_status().nvrtc is None and "no NVRTC library could be loaded" in why
+        cuda = torch.device("cuda")
+        with pytest.warns(RuntimeWarning, match="no NVRTC library could be loaded"):
+            assert ops.backend_for_device("fused", "auto", cuda) == "python"
+        with pytest.raises(RuntimeError, match="no NVRTC library could be loaded"):
+            ops.backend_for_device("fused", "fused", cuda)
+        with pytest.raises(RuntimeError, match="no NVRTC"):
+            cuda_setup.compile_kernel(torch.float32, 90, full=False)
+    finally:
+        monkeypatch.undo()
+        cuda_setup.configure()
+
+
 def test_python_m_fasthooks_says_what_it_found():
     done = subprocess.run(
         [sys.executable, "-m", "fasthooks"],
