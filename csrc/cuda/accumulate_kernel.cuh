@@ -174,12 +174,19 @@ __device__ Acc finite_or_zero(Acc v) {
 // multiply-add, off by under 2^-5: bins_resolvable bounds |lo| * scale, and |v| * scale in the
 // range, by 2^16, so the roundings of lo, scale and three operations add at most 7 * 2^-8. So the
 // guess lies in (x, x + 1], and its floor is v's bin or the next; the edge settles which.
+// The guess truncated to an unsigned integer as the hardware converts: NaN and negative values
+// give 0, values past the range its largest; one instruction, where clamping in float took two.
+__device__ inline uint32_t truncate_unsigned(float v) { return __float2uint_rz(v); }
+__device__ inline uint32_t truncate_unsigned(double v) { return __double2uint_rz(v); }
+
 template <typename Acc>
 __device__ int32_t bin_or_outside(Acc v, const BinTable<Acc>& t) {
   constexpr Acc kLow = Acc(1) - Acc(0.0625);
   const Acc guess = fma(v, t.scale, kLow - t.lo * t.scale);
-  const auto next = static_cast<int32_t>(fmin(fmax(guess, Acc(0)), static_cast<Acc>(t.bins)));
-  return v >= t.lower[next] ? next : next - 1;  // NaN became 0 in fmax, and is below lower[0]
+  const uint32_t truncated = truncate_unsigned(guess);
+  const auto bins = static_cast<uint32_t>(t.bins);
+  const auto next = static_cast<int32_t>(truncated < bins ? truncated : bins);
+  return v >= t.lower[next] ? next : next - 1;  // NaN guessed 0, and is below lower[0]
 }
 
 // Where one thread counts its values' bins in shared memory: with kBinsPerThread its own column

@@ -356,6 +356,15 @@ inline unsigned __match_any_sync(unsigned mask, int value) {
   return static_cast<unsigned>(
       ::cuda_on_cpu::warp_op<int>(::cuda_on_cpu::Wait::kMatch, mask, value, 0));
 }
+// Conversions to an unsigned integer rounding toward zero, saturating as the hardware's do:
+// NaN and negative values give 0, values past the range UINT32_MAX.
+template <typename F>
+unsigned saturated_unsigned(F v) {
+  if (!(v > F(0))) return 0u;
+  return v >= F(4294967296.0) ? 0xffffffffu : static_cast<unsigned>(v);
+}
+inline unsigned __float2uint_rz(float v) { return saturated_unsigned(v); }
+inline unsigned __double2uint_rz(double v) { return saturated_unsigned(v); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
