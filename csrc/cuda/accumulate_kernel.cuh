@@ -131,7 +131,7 @@ template <typename T, bool Max>
 __device__ inline uint32_t pair_extreme(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   uint32_t r;
-  if constexpr (sizeof(T) == 2 && kInfinityBits<T> == 0x7c00u) {
+  if constexpr (kInfinityBits<T> == kInfinityBits<c10::Half>) {
     if constexpr (Max) {
       asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     } else {
@@ -168,17 +168,17 @@ __device__ Acc finite_or_zero(Acc v) {
   return v - v == Acc(0) ? v : Acc(0);  // an infinite or NaN shift would poison every value
 }
 
+// The guess truncated to an unsigned integer as the hardware converts: NaN and negative values
+// give 0, values past the range its largest; one instruction, where clamping in float took two.
+__device__ inline uint32_t truncate_unsigned(float v) { return __float2uint_rz(v); }
+__device__ inline uint32_t truncate_unsigned(double v) { return __double2uint_rz(v); }
+
 // The bin of v, -1 below the range or for NaN, `bins` above it (so a thread's column needs no
 // range check: it has a row for each), from lower[k] for k <= bins, lower[bins] the value after
 // the top edge. For v's exact position x (in bins from lo), the guess is x + 1 - 1/16 by one fused
 // multiply-add, off by under 2^-5: bins_resolvable bounds |lo| * scale, and |v| * scale in the
 // range, by 2^16, so the roundings of lo, scale and three operations add at most 7 * 2^-8. So the
 // guess lies in (x, x + 1], and its floor is v's bin or the next; the edge settles which.
-// The guess truncated to an unsigned integer as the hardware converts: NaN and negative values
-// give 0, values past the range its largest; one instruction, where clamping in float took two.
-__device__ inline uint32_t truncate_unsigned(float v) { return __float2uint_rz(v); }
-__device__ inline uint32_t truncate_unsigned(double v) { return __double2uint_rz(v); }
-
 template <typename Acc>
 __device__ int32_t bin_or_outside(Acc v, const BinTable<Acc>& t) {
   constexpr Acc kLow = Acc(1) - Acc(0.0625);

@@ -31,7 +31,7 @@ std::string nvrtc_version(const CudaApi& api);
 // the others; what either writes is whole, so both are right).
 struct KernelCache {
   std::string dir;
-  double lock_wait_seconds = 120.0;
+  double lock_wait_seconds = 0.0;  // fasthooks.cuda_setup.lock_wait() gives it
 };
 
 // The image of kernel `v` for `arch`, from `cache` or compiled now (and then stored there, once
