@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "binades.h"
 #include "histogram.h"
 #include "stats.h"
 
@@ -47,7 +48,8 @@ ScalarType dtype_of(const Tensor& t) {
       {aoti_torch_dtype_float64(), ScalarType::Double},
       {aoti_torch_dtype_float16(), ScalarType::Half},
       {aoti_torch_dtype_bfloat16(), ScalarType::BFloat16},
-      {aoti_torch_dtype_int64(), ScalarType::Long}};
+      {aoti_torch_dtype_int64(), ScalarType::Long},
+      {aoti_torch_dtype_int32(), ScalarType::Int}};
   int32_t code = 0;
   check_shim(aoti_torch_get_dtype(t.get(), &code));
   for (const auto& [known_code, dtype] : known) {
@@ -140,8 +142,9 @@ DensePair dense_pair(const Tensor& x, const Tensor& base, size_t index) {
 }
 
 bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& stats,
-                           const Tensor& extra, const Tensor& hist, const Tensor& workspace,
-                           const Tensor& cursor, int64_t slot, double hist_min, double hist_max) {
+                           const Tensor& extra, const Tensor& hist, const Tensor* binades,
+                           const Tensor& workspace, const Tensor& cursor, int64_t slot,
+                           double hist_min, double hist_max) {
   const auto dtype = dtype_of(x);
   FASTHOOKS_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double ||
                       dtype == ScalarType::Half || dtype == ScalarType::BFloat16,
@@ -184,6 +187,12 @@ bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& s
                     "accumulate_stats: ", hist.size(2), " bins over [", hist_min, ", ", hist_max,
                     "] are narrower than 2^-16 of the range's magnitude");
   }
+  if (binades != nullptr && binades->numel() > 0) {
+    check_buffer(*binades, "binades", ScalarType::Int, {modules, batches, kBinadeBins});
+    FASTHOOKS_CHECK(place_of(*binades) == place_of(state),
+                    "accumulate_stats: binades must be on the state's device ", device_of(state),
+                    ", got ", device_of(*binades));
+  }
   FASTHOOKS_CHECK(dtype_of(cursor) == ScalarType::Long && cursor.numel() == 1,
                   "accumulate_stats: cursor must be a one-element int64 tensor, got ",
                   cursor.scalar_type(), " of shape ", shape_of(cursor));
@@ -209,8 +218,8 @@ CheckedList check_list(const std::vector<Tensor>& xs, const std::vector<Tensor>&
   check_list_lengths(xs, bases, state);
   CheckedList checked{false, {}, {}};
   for (size_t i = 0; i < xs.size(); ++i) {
-    checked.full = check_accumulate_args(xs[i], state, stats, extra, hist, workspace, cursor,
-                                         static_cast<int64_t>(i), hist_min, hist_max);
+    checked.full = check_accumulate_args(xs[i], state, stats, extra, hist, nullptr, workspace,
+                                         cursor, static_cast<int64_t>(i), hist_min, hist_max);
     if (bases.empty()) {
       checked.xs.push_back(dense_values(xs[i]));
     } else {

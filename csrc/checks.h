@@ -90,11 +90,13 @@ CheckedList check_list(const std::vector<Tensor>& xs, const std::vector<Tensor>&
                        const Tensor& hist, const Tensor& workspace, const Tensor& cursor,
                        double hist_min, double hist_max);
 
-// Checks every argument but the cursor's value, which is checked where it can be read. Returns
-// whether every statistic is wanted (a 9-plane state with an extras buffer) or mean and std only.
+// Checks every argument but the cursor's value, which is checked where it can be read (binades
+// null for the list operator, which keeps none). Returns whether every statistic is wanted (a
+// 9-plane state with an extras buffer) or mean and std only.
 bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& stats,
-                           const Tensor& extra, const Tensor& hist, const Tensor& workspace,
-                           const Tensor& cursor, int64_t slot, double hist_min, double hist_max);
+                           const Tensor& extra, const Tensor& hist, const Tensor* binades,
+                           const Tensor& workspace, const Tensor& cursor, int64_t slot,
+                           double hist_min, double hist_max);
 
 // The call-order buffer and the call clock (stats.h, note_call_order): an empty order keeps none;
 // else int64 (2, modules, batches) beside a one-element int64 clock, both on the state's device.

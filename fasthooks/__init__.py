@@ -2,6 +2,7 @@
 
 from ._version import __version__
 from .build_info import build_info
+from .formats import FORMATS, FormatFit, format_fit
 from .hook import (
     Hook,
     HookCallback,
@@ -37,7 +38,9 @@ from .sizes import (
 from .stats import ActivationStats, StatisticsError
 
 __all__ = [
+    "FORMATS",
     "ActivationStats",
+    "FormatFit",
     "Hook",
     "HookCallback",
     "Hooks",
@@ -57,6 +60,7 @@ __all__ = [
     "extension_available",
     "extension_error",
     "first_nonfinite",
+    "format_fit",
     "hook_output",
     "hook_outputs",
     "in_channels",

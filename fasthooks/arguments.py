@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .layout import EXTRAS, MAX_HIST_BINS
+from .layout import ALL_EXTRAS, MAX_HIST_BINS
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -52,11 +52,12 @@ def module_position(names: list[str], module: int | str) -> int:
     return index % len(names)
 
 
-def check_extra(extra: Any) -> tuple[str, ...]:
+def check_extra(extra: Any, valid: tuple[str, ...] = ALL_EXTRAS) -> tuple[str, ...]:
+    """`extra=` as names from `valid`, each once, in the order given."""
     names = (extra,) if isinstance(extra, str) else tuple(extra)
     for name in names:
-        if name not in EXTRAS:
-            raise ValueError(f"extra: unknown statistic {name!r}; valid ones are {EXTRAS}")
+        if name not in valid:
+            raise ValueError(f"extra: unknown statistic {name!r}; valid ones are {valid}")
     return tuple(dict.fromkeys(names))
 
 

@@ -45,18 +45,19 @@ def call_clock(device: torch.device | str) -> torch.Tensor:
 class StatBuffers:
     """Every buffer the operator writes for `num_modules` modules and `capacity` batch columns,
     as `layout.BUFFERS` declares them; with `ordered=False` no call order
-    (`accumulate_stats_list`, which keeps none).
+    (`accumulate_stats_list`, which keeps none), with `binades=True` the binade counts.
 
     Examples:
         >>> b = StatBuffers(3, 8, "cpu", full=True, hist_bins=40)
         >>> [tuple(t.shape) for t in b.columned().values()]
-        [(9, 3, 8), (2, 3, 8), (4, 3, 8), (3, 8, 40), (2, 3, 8)]
+        [(9, 3, 8), (2, 3, 8), (4, 3, 8), (3, 8, 40), (0,), (2, 3, 8)]
     """
 
     state: torch.Tensor
     stats: torch.Tensor
     extra: torch.Tensor
     hist: torch.Tensor
+    binades: torch.Tensor
     order: torch.Tensor
 
     def __init__(
@@ -67,9 +68,11 @@ class StatBuffers:
         full: bool,
         hist_bins: int,
         ordered: bool = True,
+        binades: bool = False,
     ) -> None:
         device = torch.device(device)
         self.full, self.hist_bins, self.ordered = full, hist_bins, ordered
+        self.binned = binades
         self.num_modules = num_modules
         # Buffers made under torch.inference_mode could not be updated once training resumes.
         with torch.inference_mode(False):
@@ -86,7 +89,13 @@ class StatBuffers:
     def _allocate(self, capacity: int, device: torch.device) -> None:
         for spec in BUFFERS:
             shape = buffer_shape(
-                spec.name, self.num_modules, capacity, self.full, self.hist_bins, self.ordered
+                spec.name,
+                self.num_modules,
+                capacity,
+                self.full,
+                self.hist_bins,
+                self.ordered,
+                self.binned,
             )
             setattr(self, spec.name, torch.full(shape, spec.fill, dtype=spec.dtype, device=device))
         self.capacity = capacity
@@ -96,13 +105,14 @@ class StatBuffers:
         return {spec.name: getattr(self, spec.name) for spec in BUFFERS}
 
     def op_args(self) -> tuple[torch.Tensor, ...]:
-        """(state, stats, extra, hist, workspace, order, clock, cursor): `accumulate_stats`'s
-        buffer arguments."""
+        """(state, stats, extra, hist, binades, workspace, order, clock, cursor):
+        `accumulate_stats`'s buffer arguments."""
         return (
             self.state,
             self.stats,
             self.extra,
             self.hist,
+            self.binades,
             self.workspace,
             self.order,
             self.clock,
@@ -111,7 +121,7 @@ class StatBuffers:
 
     def list_op_args(self) -> tuple[torch.Tensor, ...]:
         """(state, stats, extra, hist, workspace, cursor): `accumulate_stats_list`'s, which keeps
-        no call order."""
+        no call order and no binades."""
         return self.state, self.stats, self.extra, self.hist, self.workspace, self.cursor
 
     def grow(self) -> None:
@@ -127,7 +137,13 @@ class StatBuffers:
         """The same buffers, cursor and columns on another device (the call clock is that
         device's own)."""
         moved = StatBuffers(
-            self.num_modules, self.capacity, device, self.full, self.hist_bins, self.ordered
+            self.num_modules,
+            self.capacity,
+            device,
+            self.full,
+            self.hist_bins,
+            self.ordered,
+            self.binned,
         )
         moved.cursor.copy_(self.cursor)
         for name, tensor in self.columned().items():
@@ -137,7 +153,13 @@ class StatBuffers:
     def with_rows(self, rows: int) -> StatBuffers:
         """The same buffers and cursor with `rows` rows: the first ones kept, the others empty."""
         grown = StatBuffers(
-            rows, self.capacity, self.state.device, self.full, self.hist_bins, self.ordered
+            rows,
+            self.capacity,
+            self.state.device,
+            self.full,
+            self.hist_bins,
+            self.ordered,
+            self.binned,
         )
         grown.cursor.copy_(self.cursor)
         for spec in BUFFERS:

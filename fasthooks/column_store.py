@@ -45,13 +45,15 @@ class ColumnStore:
         ordered: bool = True,
         aux: tuple[str, ...] = (),
         resume_batches: int = 0,
+        binades: bool = False,
     ) -> None:
         self.window, self.kinds = window, list(kinds)
         capacity = window.capacity
         if window.size is None:
             capacity = max(capacity, resume_batches + 1)
         self.buffers = {
-            kind: StatBuffers(rows, capacity, device, full, hist_bins, ordered) for kind in kinds
+            kind: StatBuffers(rows, capacity, device, full, hist_bins, ordered, binades)
+            for kind in kinds
         }
         for kind in aux:
             self.buffers[kind] = StatBuffers(rows, capacity, device, False, 0, ordered=False)

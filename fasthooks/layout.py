@@ -10,6 +10,8 @@ activations' device:
 - `extra`, float32 `(len(EXTRA_PLANES), modules, batches)` with extras, else empty: finalised
   min, max, near-zero fraction and kurtosis (the non-finite count is the state's own plane);
 - `hist`, int64 `(modules, batches, bins)` with a histogram, else empty;
+- `binades`, int32 `(modules, batches, BINADE_BINS)` with the "binades" extra, else empty: how
+  many values have each power-of-two exponent (`BINADE_NAMES`);
 - `order`, int64 `(len(ORDER_PLANES), modules, batches)`: the call order. Every hooked call of
   every run on a device advances that device's call clock (one int64, shared); a slot holds 1 +
   the clock of the module's first call in that batch whose values held a NaN or an infinity (0:
@@ -25,10 +27,31 @@ from typing import NamedTuple
 
 import torch
 
+# The extras of one number per slot, each read as `act.extra[name]`.
 EXTRAS = ("min", "max", "near_zero", "nonfinite", "kurtosis", "norm", "absmax")
 # Extras read from the merge state rather than a finalised plane: the L2 norm and the largest
 # magnitude.
 DERIVED_EXTRAS = ("norm", "absmax")
+# Extras kept in a buffer of their own, read as `act.<name>`; `extra=` takes any of ALL_EXTRAS.
+COUNTED_EXTRAS = ("binades",)
+ALL_EXTRAS = EXTRAS + COUNTED_EXTRAS
+# The bins of the "binades" extra (csrc/binades.h): zero; magnitudes below 2^BINADE_MIN (float32's
+# subnormals, and smaller float64 values); one bin per binade [2^e, 2^(e + 1)) for e from
+# BINADE_MIN to BINADE_MAX (float32's normal exponents); finite magnitudes of 2^(BINADE_MAX + 1)
+# or more (float64 only); infinities and NaN.
+BINADE_MIN = -126
+BINADE_MAX = 127
+BINADE_NAMES = (
+    "zero",
+    "below",
+    *(f"2^{e}" for e in range(BINADE_MIN, BINADE_MAX + 1)),
+    "above",
+    "nonfinite",
+)
+BINADE_BINS = len(BINADE_NAMES)
+BINADE_ZERO, BINADE_BELOW = 0, 1
+BINADE_FIRST = 2  # the bin of binade BINADE_MIN
+BINADE_ABOVE, BINADE_NONFINITE = BINADE_BINS - 2, BINADE_BINS - 1
 STATE_PLANES = ("count", "mean", "m2", "m3", "m4", "min", "max", "near_zero", "nonfinite")
 BASIC_PLANES = 3
 STATS_PLANES = ("mean", "std")
@@ -59,7 +82,8 @@ class AccumulateArgs(NamedTuple):
     options. Every backend's entry point takes these.
 
     Examples:
-        >>> AccumulateArgs(*"x state stats extra hist workspace order clock cursor".split(), 0)
+        >>> names = "x state stats extra hist binades workspace order clock cursor".split()
+        >>> AccumulateArgs(*names, 0)
         ... # doctest: +ELLIPSIS
         AccumulateArgs(x='x', ..., slot=0, near_zero=0.05, hist_min=0.0, hist_max=10.0)
     """
@@ -69,6 +93,7 @@ class AccumulateArgs(NamedTuple):
     stats: torch.Tensor
     extra: torch.Tensor
     hist: torch.Tensor
+    binades: torch.Tensor
     workspace: torch.Tensor
     order: torch.Tensor
     clock: torch.Tensor
@@ -80,7 +105,7 @@ class AccumulateArgs(NamedTuple):
 
 
 # The operator's tensor arguments; its scalars follow.
-TENSOR_ARGUMENTS = AccumulateArgs._fields[:9]
+TENSOR_ARGUMENTS = AccumulateArgs._fields[:10]
 
 
 class BufferSpec(NamedTuple):
@@ -102,6 +127,7 @@ BUFFERS = (
     BufferSpec("stats", torch.float32, 2, float("nan"), "finalised"),
     BufferSpec("extra", torch.float32, 2, float("nan"), "finalised"),
     BufferSpec("hist", torch.int64, 1, 0, "sum"),
+    BufferSpec("binades", torch.int32, 1, 0, "sum"),
     BufferSpec("order", torch.int64, 2, 0, "gathered"),
 )
 # A checkpoint keeps these; the finalised ones are computed again from the state.
@@ -109,14 +135,24 @@ SAVED_BUFFERS = tuple(spec.name for spec in BUFFERS if spec.merge != "finalised"
 
 
 def buffer_shape(
-    name: str, modules: int, columns: int, full: bool, hist_bins: int, ordered: bool
+    name: str,
+    modules: int,
+    columns: int,
+    full: bool,
+    hist_bins: int,
+    ordered: bool,
+    binades: bool = False,
 ) -> tuple[int, ...]:
     """The shape of one buffer; `(0,)` for one the run does not keep.
 
     Examples:
         >>> buffer_shape("hist", 3, 8, True, 40, True), buffer_shape("extra", 3, 8, False, 0, True)
         ((3, 8, 40), (0,))
+        >>> buffer_shape("binades", 3, 8, True, 0, True, binades=True)
+        (3, 8, 258)
     """
+    if name == "binades":
+        return (modules, columns, BINADE_BINS) if binades else (0,)
     planes = {
         "state": state_planes(full),
         "stats": len(STATS_PLANES),

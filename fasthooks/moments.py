@@ -10,6 +10,13 @@ from __future__ import annotations
 import torch
 
 from .layout import (
+    BINADE_ABOVE,
+    BINADE_BELOW,
+    BINADE_BINS,
+    BINADE_FIRST,
+    BINADE_MIN,
+    BINADE_NONFINITE,
+    BINADE_ZERO,
     COUNT,
     M2,
     M3,
@@ -61,6 +68,29 @@ def histogram(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
     index = torch.where((index >= 0) & (index < bins), index, bins)  # bin `bins`: outside
     counts = torch.zeros(bins + 1, dtype=torch.int64, device=x.device)
     return counts.scatter_add_(0, index, torch.ones_like(index))[:bins]
+
+
+def binade_counts(x: torch.Tensor) -> torch.Tensor:
+    """int64 counts of x's values in each bin of `layout.BINADE_NAMES`: zero, below 2^-126, one
+    bin per binade [2^e, 2^(e + 1)) for e in [-126, 127], finite from 2^128 on, non-finite.
+
+    Examples:
+        >>> counts = binade_counts(torch.tensor([0.0, 1.0, 1.5, -3.0, float("inf")]))
+        >>> from fasthooks.layout import BINADE_NAMES
+        >>> {BINADE_NAMES[k]: int(c) for k, c in enumerate(counts) if c}
+        {'zero': 1, '2^0': 2, '2^1': 1, 'nonfinite': 1}
+    """
+    values = x.detach().reshape(-1)
+    if values.dtype != torch.float64:
+        values = values.float()  # float16 and bfloat16 exactly, their binades unchanged
+    magnitude = values.abs()
+    _, exponent = torch.frexp(magnitude)  # magnitude = m * 2^exponent, m in [0.5, 1)
+    binade = (exponent - 1).long()
+    index = (binade - BINADE_MIN + BINADE_FIRST).clamp(BINADE_BELOW, BINADE_ABOVE)
+    index = torch.where(magnitude == 0, BINADE_ZERO, index)
+    index = torch.where(magnitude.isfinite(), index, BINADE_NONFINITE)
+    counts = torch.zeros(BINADE_BINS, dtype=torch.int64, device=x.device)
+    return counts.scatter_add_(0, index, torch.ones_like(index))
 
 
 def batch_stats(x: torch.Tensor, full: bool, near_zero: float) -> torch.Tensor:
@@ -198,10 +228,13 @@ def accumulate_stats_python(*args: object, **options: float) -> None:
         >>> b.stats[:, 0, 0].tolist()
         [2.0, 1.4142135381698608]
     """
-    x, state, stats, extra, hist, _, order, clock, cursor, slot, *scalars = AccumulateArgs(
+    x, state, stats, extra, hist, binades, _, order, clock, cursor, slot, *scalars = AccumulateArgs(
         *args, **options
     )
     call = _merge_into_slot(x, state, stats, extra, hist, cursor, slot, *scalars)
+    if call is not None and binades.numel() > 0:
+        counts = binade_counts(x).to(torch.int32)
+        binades[slot].index_add_(0, cursor.reshape(1), counts.unsqueeze(0))
     if call is not None and order.numel() > 0:
         note_call_order(order, clock, cursor, slot, call)
 

@@ -24,7 +24,7 @@ from .arguments import (
 from .buffers import StatBuffers
 from .column_store import ColumnStore
 from .dtensors import LocalPieces, sink_origin
-from .layout import COUNT, DERIVED_EXTRAS, M2, MEAN
+from .layout import COUNT, DERIVED_EXTRAS, EXTRAS, M2, MEAN
 from .merging import Merged, Rows, all_reduce
 from .ops import backend_for_device, resolve_backend, resolve_list_backend
 from .reading import KindReading
@@ -165,7 +165,7 @@ class ParameterStats:
         self.window = check_window(window)
         self.sink = check_sink(sink)
         self._placement = ColumnWindow(self.window, self.expected_steps)
-        self.extra_names = tuple(dict.fromkeys((*DERIVED_EXTRAS, *check_extra(extra))).keys())
+        self.extra_names = tuple(dict.fromkeys((*DERIVED_EXTRAS, *check_extra(extra, EXTRAS))))
         self.hist_bins, self.hist_min, self.hist_max = check_hist(hist_bins, hist_range)
         self.near_zero = check_near_zero(near_zero)
         self._accumulate = resolve_list_backend(backend)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .arguments import module_position
+from .formats import FormatFit, format_fit
 from .layout import STATS_PLANES
 
 if TYPE_CHECKING:
@@ -51,6 +52,34 @@ class Reading:
         stats = self.stats
         planes = {name: stats[i, index] for i, name in enumerate(STATS_PLANES)}
         return {**planes, **{name: values[index] for name, values in self.extra.items()}}
+
+    def format_fit(self, fmt: str, scaling: str | int = "amax") -> FormatFit:
+        """How each row's values of each batch would fare cast to the low-precision format `fmt`
+        ("fp8_e4m3", "fp8_e5m2", "fp16", "bf16") scaled by `scaling` ("amax": per tensor, by the
+        largest power of two that keeps its largest magnitude finite; "none"; an int k: by
+        2^k), from the binades and the largest magnitude with no pass over the values: the
+        fractions that would underflow, land in subnormals or saturate, and the dynamic range
+        (`fasthooks.formats` says exactly what each counts). Needs the "binades" extra.
+
+        Examples:
+            >>> from torch import nn
+            >>> from fasthooks import ActivationStats
+            >>> model = nn.Sequential(nn.Linear(8, 8))
+            >>> with ActivationStats(model, backend="python", extra=["binades"]) as act:
+            ...     _ = model(torch.randn(4, 8))
+            ...     act.on_batch_end()
+            >>> fit = act.format_fit("fp8_e4m3", scaling="none")
+            >>> tuple(fit.underflow.shape), float(fit.saturate[0, 0])
+            ((1, 1), 0.0)
+        """
+        return format_fit(self.binades, self._largest_magnitude(), fmt, scaling)
+
+    def _largest_magnitude(self) -> torch.Tensor:
+        """`(rows, batches)` float32: each slot's largest magnitude."""
+        extra = self.extra
+        if "absmax" in extra:
+            return extra["absmax"]
+        return torch.maximum(extra["min"].abs(), extra["max"].abs())
 
     def first_nonfinite(self) -> Any:
         """The first recorded call whose values held a NaN or an infinity, or None: a

@@ -24,7 +24,7 @@ from .buffers import StatBuffers
 from .column_store import ColumnStore
 from .dtensors import LocalPieces, sink_origin
 from .hook import HookCallback
-from .layout import COUNT
+from .layout import BINADE_BINS, COUNT, COUNTED_EXTRAS
 from .merging import Merged, Rows, all_reduce
 from .nonfinite import NonFiniteWatch
 from .ops import backend_for_device, resolve_backend
@@ -282,7 +282,14 @@ class ActivationStats(HookCallback, Reading):
         n = 0 if resume is None else resume["num_batches"]
         full = bool(self.extra_names)
         store = ColumnStore(
-            self._placement, [self.kind], rows, device, full, self.hist_bins, resume_batches=n
+            self._placement,
+            [self.kind],
+            rows,
+            device,
+            full,
+            self.hist_bins,
+            resume_batches=n,
+            binades="binades" in self.extra_names,
         )
         if resume is not None:
             store.restore(resume)
@@ -632,14 +639,31 @@ class ActivationStats(HookCallback, Reading):
 
     @property
     def extra(self) -> dict[str, torch.Tensor]:
-        """Each requested extra statistic as a CPU tensor `(modules, batches)`."""
-        if not self.extra_names:
+        """Each requested extra statistic as a CPU tensor `(modules, batches)` ("binades" is read
+        from `act.binades`)."""
+        names = tuple(n for n in self.extra_names if n not in COUNTED_EXTRAS)
+        if not names:
             return {}
         if self._buffers is None:
             empty = torch.empty(len(self.modules or ()), 0)
-            return {n: empty.long() if n == "nonfinite" else empty for n in self.extra_names}
+            return {n: empty.long() if n == "nonfinite" else empty for n in names}
         self._report_dropped()
-        return self._store.extra(self.kind, self.extra_names)
+        return self._store.extra(self.kind, names)
+
+    @property
+    def binades(self) -> torch.Tensor:
+        """`(modules, batches, BINADE_BINS)` int32 CPU counts of the values in each binade
+        (`fasthooks.layout.BINADE_NAMES`); only with the "binades" extra."""
+        if "binades" not in self.extra_names:
+            raise AttributeError('binades are recorded only with extra=("binades", ...)')
+        if self._buffers is None:
+            return torch.zeros(len(self.modules or ()), 0, BINADE_BINS, dtype=torch.int32)
+        return self._read("binades")
+
+    def _largest_magnitude(self) -> torch.Tensor:
+        if self._store is None:
+            return torch.empty(len(self.modules or ()), 0)
+        return self._store.extra(self.kind, ("absmax",))["absmax"]
 
     @property
     def hist(self) -> torch.Tensor:

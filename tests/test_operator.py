@@ -284,7 +284,7 @@ def test_unknown_capability_is_refused():
 def test_argument_errors_name_the_argument():
     x = torch.randn(10)
     basic, full = _buffers(modules=2, capacity=4), _buffers(full=True, bins=3, capacity=4)
-    state, stats, extra, hist, workspace, order, clock, cursor = basic.op_args()
+    state, stats, extra, hist, binades, workspace, order, clock, cursor = basic.op_args()
 
     def call(*args, lo=0.0, hi=1.0):
         ops.accumulate_stats(*args, 0.05, lo, hi)
@@ -296,31 +296,33 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(
         RuntimeError, match=r"state must be a contiguous float64 tensor .* got Float"
     ):
-        call(x, state.float(), stats, extra, hist, workspace, order, clock, cursor, 0)
+        call(x, state.float(), stats, extra, hist, binades, workspace, order, clock, cursor, 0)
     with pytest.raises(
         RuntimeError,
         match=r"state must be .* of shape \(3 or 9, modules, batches\), got Double of shape "
         r"\[2, 2, 4\]",
     ):
-        call(x, state[:2], stats, extra, hist, workspace, order, clock, cursor, 0)
+        call(x, state[:2], stats, extra, hist, binades, workspace, order, clock, cursor, 0)
     with pytest.raises(RuntimeError, match=r"stats must be a contiguous Float tensor of shape"):
-        call(x, state, stats[:, :, :2], extra, hist, workspace, order, clock, cursor, 0)
+        call(x, state, stats[:, :, :2], extra, hist, binades, workspace, order, clock, cursor, 0)
     with pytest.raises(RuntimeError, match=r"extra must be a contiguous Float tensor of shape \[4"):
-        call(x, full.state, full.stats, extra, full.hist, workspace, order, clock, cursor, 0)
+        call(
+            x, full.state, full.stats, extra, full.hist, binades, workspace, order, clock, cursor, 0
+        )
     with pytest.raises(RuntimeError, match=r"extra must be empty with a 3-plane state"):
-        call(x, state, stats, full.extra, hist, workspace, order, clock, cursor, 0)
+        call(x, state, stats, full.extra, hist, binades, workspace, order, clock, cursor, 0)
     with pytest.raises(RuntimeError, match=r"hist must be a contiguous Long tensor of shape"):
-        call(x, *full.op_args()[:3], full.hist.int(), workspace, order, clock, cursor, 0)
+        call(x, *full.op_args()[:3], full.hist.int(), binades, workspace, order, clock, cursor, 0)
     with pytest.raises(RuntimeError, match="hist_min and hist_max must be finite"):
         call(x, *full.op_args(), 0, lo=1.0, hi=1.0)
     with pytest.raises(RuntimeError, match=r"3 bins over \[1e\+06, 1e\+06\] are narrower"):
         call(x, *full.op_args(), 0, lo=1e6, hi=1e6 + 1e-3)
     with pytest.raises(RuntimeError, match="cursor must be a one-element int64 tensor, got Int"):
-        call(x, state, stats, extra, hist, workspace, order, clock, cursor.int(), 0)
+        call(x, state, stats, extra, hist, binades, workspace, order, clock, cursor.int(), 0)
     with pytest.raises(
         RuntimeError, match=r"order must be a contiguous Long tensor of shape \[2, 2, 4\]"
     ):
-        call(x, state, stats, extra, hist, workspace, order[:, :1], clock, cursor, 0)
+        call(x, state, stats, extra, hist, binades, workspace, order[:, :1], clock, cursor, 0)
     with pytest.raises(RuntimeError, match="clock must be a one-element int64 tensor, got Long"):
         call(
             x,
@@ -328,6 +330,7 @@ def test_argument_errors_name_the_argument():
             stats,
             extra,
             hist,
+            binades,
             workspace,
             order,
             torch.zeros(2, dtype=torch.long),
@@ -335,13 +338,43 @@ def test_argument_errors_name_the_argument():
             0,
         )
     with pytest.raises(RuntimeError, match="clock must be on the state's device cpu, got meta"):
-        call(x, state, stats, extra, hist, workspace, order, clock.to("meta"), cursor, 0)
+        call(x, state, stats, extra, hist, binades, workspace, order, clock.to("meta"), cursor, 0)
     with pytest.raises(RuntimeError, match="stats must be on the state's device cpu, got meta"):
-        call(x, state, stats.to("meta"), extra, hist, workspace, order, clock, cursor, 0)
+        call(x, state, stats.to("meta"), extra, hist, binades, workspace, order, clock, cursor, 0)
+    with pytest.raises(
+        RuntimeError, match=r"binades must be a contiguous Int tensor of shape \[2, 4, 258\]"
+    ):
+        call(
+            x,
+            state,
+            stats,
+            extra,
+            hist,
+            torch.zeros(2, 4, 257, dtype=torch.int32),
+            workspace,
+            order,
+            clock,
+            cursor,
+            0,
+        )
+    with pytest.raises(RuntimeError, match=r"binades must be a contiguous Int tensor"):
+        call(
+            x,
+            state,
+            stats,
+            extra,
+            hist,
+            torch.zeros(2, 4, 258, dtype=torch.int64),
+            workspace,
+            order,
+            clock,
+            cursor,
+            0,
+        )
     with pytest.raises(RuntimeError, match=r"slot must be in \[0, 2\), got 2"):
         call(x, *basic.op_args(), 2)
     with pytest.raises(RuntimeError, match=r"cursor must be in \[0, 4\), got 4"):
-        call(x, state, stats, extra, hist, workspace, order, clock, torch.tensor(4), 0)
+        call(x, state, stats, extra, hist, binades, workspace, order, clock, torch.tensor(4), 0)
     assert (state == 0).all() and (full.state == 0).all() and (full.hist == 0).all()
     assert (order == 0).all() and (full.order == 0).all()
 
@@ -374,13 +407,27 @@ def test_callable_from_torchscript():
         stats: torch.Tensor,
         extra: torch.Tensor,
         hist: torch.Tensor,
+        binades: torch.Tensor,
         workspace: torch.Tensor,
         order: torch.Tensor,
         clock: torch.Tensor,
         cursor: torch.Tensor,
     ) -> None:
         torch.ops.fasthooks.accumulate_stats(
-            x, state, stats, extra, hist, workspace, order, clock, cursor, 0, 0.05, 0.0, 10.0
+            x,
+            state,
+            stats,
+            extra,
+            hist,
+            binades,
+            workspace,
+            order,
+            clock,
+            cursor,
+            0,
+            0.05,
+            0.0,
+            10.0,
         )
 
     x, b = torch.randn(1000) + 4, _buffers(modules=1, capacity=2)

@@ -3,10 +3,13 @@
 #include <torch/csrc/stable/ops.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
+#include "../binades.h"
 #include "../checks.h"
 #include "../dtype_dispatch.h"
 #include "capability.h"
@@ -28,14 +31,55 @@ void flush_rows(std::vector<uint32_t>& rows, std::vector<int64_t>& counts) {
   std::fill(rows.begin(), rows.end(), 0u);
 }
 
-// Statistics of n values taken a chunk at a time: chunk(start, length, rows) gives those of
-// values [start, start + length) and counts their bins into lane rows (null without a histogram).
+// A value's bits as an unsigned integer of its size, and the bin of its binade (binades.h).
+template <typename T>
+auto bits_of(T v) {
+  std::conditional_t<sizeof(T) == 8, uint64_t,
+                     std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>>
+      bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return bits;
+}
+inline int binade_of(float v) { return binade_of_bits(bits_of(v)); }
+inline int binade_of(double v) { return binade_of_bits(bits_of(v)); }
+inline int binade_of(torch::headeronly::Half v) { return binade_of_half_bits(bits_of(v)); }
+inline int binade_of(torch::headeronly::BFloat16 v) { return binade_of_bfloat16_bits(bits_of(v)); }
+
+// Adds the binades of n values to `counts` (kBinadeBins of them). Four rows of counters, one
+// value to each in turn, so that runs of values of one binade do not wait on one counter.
+constexpr int kBinadeRows = 4;
+template <typename T>
+void count_binades(const T* p, int64_t n, int64_t* counts) {
+  uint32_t rows[kBinadeRows][kBinadeBins] = {};  // a chunk's counts fit 32 bits
+  int64_t i = 0;
+  for (; i + kBinadeRows <= n; i += kBinadeRows) {
+    for (int r = 0; r < kBinadeRows; ++r) ++rows[r][binade_of(p[i + r])];
+  }
+  for (; i < n; ++i) ++rows[0][binade_of(p[i])];
+  for (int k = 0; k < kBinadeBins; ++k) {
+    for (int r = 0; r < kBinadeRows; ++r) counts[k] += rows[r][k];
+  }
+}
+
+// Where a chunk counts beside its statistics: its bins into lane rows (null without a histogram),
+// its binades into kBinadeBins counters (null without them).
+struct ChunkCounts {
+  uint32_t* rows;
+  int64_t* binades;
+};
+
+// Statistics of n values taken a chunk at a time: chunk(start, length, counts) gives those of
+// values [start, start + length) and counts their bins and binades (ChunkCounts). `counts` and
+// `binades` receive the totals (each empty when not kept).
 template <bool Full, typename Chunk>
-Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_t>& counts) {
+Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_t>& counts,
+                    std::vector<int64_t>& binades) {
   const size_t rows_size = hist ? kHistLanes * (counts.size() + 1) : 0;
+  const bool binned = !binades.empty();
   if (n <= kChunk) {  // a hook's typical call: no thread hand-off
     std::vector<uint32_t> rows(rows_size);
-    const Stats s = chunk(0, n, hist ? rows.data() : nullptr);
+    const Stats s =
+        chunk(0, n, ChunkCounts{hist ? rows.data() : nullptr, binned ? binades.data() : nullptr});
     if (hist) flush_rows(rows, counts);
     return s;
   }
@@ -45,17 +89,19 @@ Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_
   torch::stable::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> rows(rows_size);
     std::vector<int64_t> local(counts.size());
+    std::vector<int64_t> local_binades(binades.size());
+    const ChunkCounts own{hist ? rows.data() : nullptr, binned ? local_binades.data() : nullptr};
     for (int64_t c = begin; c < end; ++c) {
       const int64_t start = c * kChunk;
-      parts[c] =
-          chunk(start, n - start < kChunk ? n - start : kChunk, hist ? rows.data() : nullptr);
+      parts[c] = chunk(start, n - start < kChunk ? n - start : kChunk, own);
       if (hist && ((c - begin + 1) % kChunksPerFlush == 0 || c + 1 == end)) {
         flush_rows(rows, local);
       }
     }
-    if (hist) {
+    if (hist || binned) {
       const std::lock_guard<std::mutex> lock(counts_mutex);
       for (size_t k = 0; k < counts.size(); ++k) counts[k] += local[k];
+      for (size_t k = 0; k < binades.size(); ++k) binades[k] += local_binades[k];
     }
   });
   // Merged in chunk order, so the result does not depend on the number of threads.
@@ -66,30 +112,34 @@ Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_
 
 // The statistics of p's n values, or of p's minus base's (taken in Acc a chunk at a time into a
 // buffer that stays in cache, so each value is read once from memory), merged into the slot.
+// The binades of a chunk are counted right after its statistics, while it is still in cache.
 template <bool Full, typename T, typename Acc>
 Stats merge_into_slot(const T* p, const T* base, int64_t n, ChunkFn<T, Acc> kernel,
                       ChunkFn<Acc, Acc> difference_kernel, const ChunkParams<Acc>& params,
-                      std::vector<int64_t>& counts, const SlotPointers& slot) {
+                      std::vector<int64_t>& counts, std::vector<int64_t>& binades,
+                      const SlotPointers& slot) {
   const bool hist = params.bins != nullptr;
   Stats batch;
   if (base == nullptr) {
     batch = chunked_stats<Full>(
         n, hist,
-        [&](int64_t start, int64_t length, uint32_t* rows) {
-          return kernel(p + start, length, params, rows);
+        [&](int64_t start, int64_t length, const ChunkCounts& to) {
+          const Stats s = kernel(p + start, length, params, to.rows);
+          if (to.binades != nullptr) count_binades(p + start, length, to.binades);
+          return s;
         },
-        counts);
+        counts, binades);
   } else {
     batch = chunked_stats<Full>(
         n, hist,
-        [&](int64_t start, int64_t length, uint32_t* rows) {
+        [&](int64_t start, int64_t length, const ChunkCounts& to) {
           thread_local std::vector<Acc> difference(kChunk);
           for (int64_t i = 0; i < length; ++i) {
             difference[i] = static_cast<Acc>(p[start + i]) - static_cast<Acc>(base[start + i]);
           }
-          return difference_kernel(difference.data(), length, params, rows);
+          return difference_kernel(difference.data(), length, params, to.rows);
         },
-        counts);
+        counts, binades);
   }
   store_slot<Full>(slot, merge<Full>(load_slot<Full>(slot), batch));
   return batch;
@@ -135,10 +185,12 @@ int64_t exact_origin(const BinTable<Acc>& table, double lo, double hi) {
 struct Destination {
   SlotPointers slot;
   int64_t hist_offset;
+  int32_t* binades;  // the slot's row, null without binades
 };
 
 Destination destination(const Tensor& state, const Tensor& stats, const Tensor& extra,
-                        const Tensor& hist, const Tensor& cursor, int64_t slot, bool full) {
+                        const Tensor& hist, const Tensor* binades, const Tensor& cursor,
+                        int64_t slot, bool full) {
   const int64_t column = *static_cast<const int64_t*>(cursor.const_data_ptr());
   const int64_t batches = state.size(2);
   FASTHOOKS_CHECK(column >= 0 && column < batches, "accumulate_stats: cursor must be in [0, ",
@@ -148,7 +200,11 @@ Destination destination(const Tensor& state, const Tensor& stats, const Tensor& 
   const SlotPointers at{static_cast<double*>(state.mutable_data_ptr()) + cell, plane,
                         static_cast<float*>(stats.mutable_data_ptr()) + cell, plane,
                         full ? static_cast<float*>(extra.mutable_data_ptr()) + cell : nullptr};
-  return {at, hist.numel() > 0 ? cell * hist.size(2) : 0};
+  int32_t* binade_row =
+      binades != nullptr && binades->numel() > 0
+          ? static_cast<int32_t*>(binades->mutable_data_ptr()) + cell * kBinadeBins
+          : nullptr;
+  return {at, hist.numel() > 0 ? cell * hist.size(2) : 0, binade_row};
 }
 
 // Returns the call's own statistics.
@@ -167,16 +223,23 @@ Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const 
       bins > 0 ? guess_margin(table, hist_min) : Acc(0),
       bins > 0 ? exact_origin(table, hist_min, hist_max) : kNoExactOrigin};
   std::vector<int64_t> counts(bins);
+  std::vector<int64_t> binades(to.binades != nullptr ? kBinadeBins : 0);
   const T* p = static_cast<const T*>(dense.const_data_ptr());
   const T* b = base != nullptr ? static_cast<const T*>(base->const_data_ptr()) : nullptr;
   const int f = full ? 1 : 0;
-  const Stats call = full ? merge_into_slot<true>(p, b, dense.numel(), kernels[f],
-                                                  difference_kernels[f], params, counts, to.slot)
-                          : merge_into_slot<false>(p, b, dense.numel(), kernels[f],
-                                                   difference_kernels[f], params, counts, to.slot);
+  const Stats call =
+      full ? merge_into_slot<true>(p, b, dense.numel(), kernels[f], difference_kernels[f], params,
+                                   counts, binades, to.slot)
+           : merge_into_slot<false>(p, b, dense.numel(), kernels[f], difference_kernels[f], params,
+                                    counts, binades, to.slot);
   int64_t* row =
       bins > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) + to.hist_offset : nullptr;
   for (int64_t k = 0; k < bins; ++k) row[k] += counts[k];
+  // int32 counts, as the CUDA kernels keep them: a slot's 2^31 values in one binade wrap.
+  for (size_t k = 0; k < binades.size(); ++k) {
+    to.binades[k] = static_cast<int32_t>(static_cast<uint32_t>(to.binades[k]) +
+                                         static_cast<uint32_t>(binades[k]));
+  }
   return call;
 }
 
@@ -198,9 +261,9 @@ const auto& difference_kernels_of(const ChunkKernels& k, DtypeTag<T>) {
 // (slot, cursor); returns the call's own (none for an empty tensor).
 Stats accumulate_one(const Tensor& dense, const Tensor* base, const Tensor& state,
                      const Tensor& stats, const Tensor& extra, const Tensor& hist,
-                     const Tensor& cursor, int64_t slot, bool full, double near_zero,
-                     double hist_min, double hist_max) {
-  const Destination to = destination(state, stats, extra, hist, cursor, slot, full);
+                     const Tensor* binades, const Tensor& cursor, int64_t slot, bool full,
+                     double near_zero, double hist_min, double hist_max) {
+  const Destination to = destination(state, stats, extra, hist, binades, cursor, slot, full);
   if (dense.numel() == 0) return {};
   const ChunkKernels& k = cpu_kernels();
   return dispatch_dtype(dtype_of(dense), [&](auto tag) {
@@ -227,14 +290,15 @@ void note_order(const Tensor& order, const Tensor& clock, const Tensor& cursor, 
 }
 
 void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& stats,
-                          const Tensor& extra, const Tensor& hist, const Tensor& workspace,
-                          const Tensor& order, const Tensor& clock, const Tensor& cursor,
-                          int64_t slot, double near_zero, double hist_min, double hist_max) {
-  const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
-                                          hist_min, hist_max);
+                          const Tensor& extra, const Tensor& hist, const Tensor& binades,
+                          const Tensor& workspace, const Tensor& order, const Tensor& clock,
+                          const Tensor& cursor, int64_t slot, double near_zero, double hist_min,
+                          double hist_max) {
+  const bool full = check_accumulate_args(x, state, stats, extra, hist, &binades, workspace, cursor,
+                                          slot, hist_min, hist_max);
   const bool ordered = check_call_order(order, clock, state);
-  const Stats call = accumulate_one(dense_values(x), nullptr, state, stats, extra, hist, cursor,
-                                    slot, full, near_zero, hist_min, hist_max);
+  const Stats call = accumulate_one(dense_values(x), nullptr, state, stats, extra, hist, &binades,
+                                    cursor, slot, full, near_zero, hist_min, hist_max);
   if (ordered && call.count > 0) note_order(order, clock, cursor, slot, full, call);
 }
 
@@ -246,7 +310,8 @@ void accumulate_stats_list_cpu(std::vector<Tensor> xs, std::vector<Tensor> bases
       check_list(xs, bases, state, stats, extra, hist, workspace, cursor, hist_min, hist_max);
   for (size_t i = 0; i < list.xs.size(); ++i) {
     accumulate_one(list.xs[i], list.bases.empty() ? nullptr : &list.bases[i], state, stats, extra,
-                   hist, cursor, static_cast<int64_t>(i), list.full, near_zero, hist_min, hist_max);
+                   hist, nullptr, cursor, static_cast<int64_t>(i), list.full, near_zero, hist_min,
+                   hist_max);
   }
 }
 

@@ -89,6 +89,7 @@ struct Buffers {
   float* stats;
   float* extra;
   int64_t* hist;
+  int32_t* binades;  // the "binades" extra's (modules, capacity, kBinadeBins); null without it
   const int64_t* cursor;
   double* partials;        // the call's region
   unsigned int* finished;  // the region's kListTensors counters, each a double apart

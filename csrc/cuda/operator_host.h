@@ -106,11 +106,12 @@ struct OperatorHost {
   }
 
   static void accumulate_stats(const Tensor& x, const Tensor& state, const Tensor& stats,
-                               const Tensor& extra, const Tensor& hist, const Tensor& workspace,
-                               const Tensor& order, const Tensor& clock, const Tensor& cursor,
-                               int64_t slot, double near_zero, double hist_min, double hist_max) {
-    const bool full = check_accumulate_args(x, state, stats, extra, hist, workspace, cursor, slot,
-                                            hist_min, hist_max);
+                               const Tensor& extra, const Tensor& hist, const Tensor& binades,
+                               const Tensor& workspace, const Tensor& order, const Tensor& clock,
+                               const Tensor& cursor, int64_t slot, double near_zero,
+                               double hist_min, double hist_max) {
+    const bool full = check_accumulate_args(x, state, stats, extra, hist, &binades, workspace,
+                                            cursor, slot, hist_min, hist_max);
     const bool ordered = check_call_order(order, clock, state);
     const int device = x.get_device_index();
     const typename Device::Guard guard(device);
@@ -118,6 +119,7 @@ struct OperatorHost {
     if (x.numel() == 0) return;
     Buffers buffers = buffers_of(state, stats, extra, hist, cursor, slot, full, call, near_zero,
                                  hist_min, hist_max);
+    if (binades.numel() > 0) buffers.binades = static_cast<int32_t*>(binades.mutable_data_ptr());
     if (ordered) {
       buffers.order = static_cast<int64_t*>(order.mutable_data_ptr());
       buffers.clock = static_cast<unsigned long long*>(clock.mutable_data_ptr());
