@@ -13,6 +13,7 @@ import torch
 
 from .layout import (
     BUFFERS,
+    COUNTED_EXTRAS,
     CUDA_DROPPED_CALLS,
     CUDA_WORKSPACE_DOUBLES,
     DERIVED_EXTRAS,
@@ -199,9 +200,12 @@ def read_extras(
     names: Iterable[str], read: Callable[[str, torch.Tensor], torch.Tensor], buffers: StatBuffers
 ) -> dict[str, torch.Tensor]:
     """Each extra of `names` as a CPU tensor `(slots, columns)`, through `read(name, buffer)`
-    (the recorded columns of a buffer on the CPU)."""
+    (the recorded columns of a buffer on the CPU); those kept in a buffer of their own
+    (`layout.COUNTED_EXTRAS`) are left out."""
     out = {}
     for name in names:
+        if name in COUNTED_EXTRAS:
+            continue
         if name == "nonfinite":
             out[name] = read("nonfinite", buffers.nonfinite())
         elif name in DERIVED_EXTRAS:

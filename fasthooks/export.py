@@ -44,7 +44,7 @@ def long_table(reading: Reading) -> Any:
     training batch's 0-based index."""
     pd = _pandas(reading.recorder)
     row, column = _TABLE_AXES[reading.recorder]
-    planes = {"mean": reading.stats[0], "std": reading.stats[1], **reading.extra}
+    planes = reading.planes()
     return pd.DataFrame(
         _long_columns(planes, reading.module_names, reading.batches.tolist(), row, column)
     )
@@ -73,7 +73,7 @@ def newest_metrics(reading: Reading) -> dict[str, float]:
     `parameters/<kind>/...` for a kind of ParameterStats); empty before the first column."""
     if reading.num_batches == 0:
         return {}
-    planes = {"mean": reading.stats[0], "std": reading.stats[1], **reading.extra}
+    planes = reading.planes()
     # One conversion per statistic, not one per module and statistic.
     newest = {stat: values[:, -1].double().tolist() for stat, values in planes.items()}
     return {

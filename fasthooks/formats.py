@@ -9,9 +9,10 @@ e + k, exactly. Of all the values (zeros and non-finite ones included):
   subnormal; it makes 0 at least those below half of it (e + k < s - 1).
 - `subnormal`: from the smallest subnormal up to the smallest normal (s <= e + k < emin), where
   the format keeps fewer digits.
-- `saturate`: above `max`. Those in the binades above emax always; those of binade emax (between
-  `max` and 2^(emax + 1): fp8_e4m3's 448 to 512) only when the scaled largest magnitude is above
-  `max`, and then the whole binade counts: an upper bound, exact when no value lies there.
+- `saturate`: above `max`. Those in the binades above emax always; those of binade emax
+  (fp8_e4m3's 256 to 512, whose values above 448 saturate) only when the scaled largest magnitude
+  is above `max`, and then all of them: an upper bound, exact where none of them is at most
+  `max`. With "amax" scaling nothing saturates.
 - `dynamic_range`: binades from the lowest non-zero value's to the largest's, both counted.
 
 Values below 2^-126 (float32's subnormals) share one bin: they count as underflow where the

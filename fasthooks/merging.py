@@ -362,9 +362,10 @@ def _reduce_columns(
     chosen.put(b.stats, 2, stats)
     if extra is not None:
         chosen.put(b.extra, 2, extra)
-    if b.hist_bins:
-        hist = torch.where(contributes[..., None], chosen.take(b.hist, 1), 0)
-        chosen.put(b.hist, 1, chosen.reduced(hist, 0, _all_reduce(group)))
+    for counted in ("hist", "binades"):  # summed over the ranks that contribute
+        if getattr(b, counted).numel() > 0:
+            counts = torch.where(contributes[..., None], chosen.take(getattr(b, counted), 1), 0)
+            chosen.put(getattr(b, counted), 1, chosen.reduced(counts, 0, _all_reduce(group)))
     if not b.ordered:
         return winners
     first, count = chosen.take(b.order, 2)

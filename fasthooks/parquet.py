@@ -3,9 +3,10 @@ that `pandas.read_parquet(folder)` reads without fasthooks.
 
 Columns: `batch` (int64: the training batch, or optimizer step), `name` (the module or
 parameter), `kind` ("forward", "backward", "weight", "grad", "update"), `stat` ("mean", "std",
-each extra, "count": the elements recorded, "hist": one row per bin, "first_nonfinite_call" and
-"nonfinite_in_call": the call order, only for calls that held a NaN or an infinity), `bin`
-(int32: the histogram bin of a "hist" row, else null) and `value` (float64). Each file's schema
+each extra, "count": the elements recorded, "hist": one row per bin, "binades": one row per bin of
+`layout.BINADE_NAMES`, "first_nonfinite_call" and "nonfinite_in_call": the call order, only for
+calls that held a NaN or an infinity), `bin` (int32: the bin of a "hist" or "binades" row, else
+null) and `value` (float64). Each file's schema
 metadata keeps the run's settings under the key "fasthooks".
 
 Format 2 keeps each slot's float64 merge state too, from which `fasthooks.load` merges several
@@ -119,14 +120,16 @@ def _table_parts(chunk: SinkChunk) -> list[tuple[str, dict[str, Any], Any]]:
     parts: list[tuple[str, dict[str, Any], Any]] = [
         (stat, _repeat_rows(values.numpy(), batches), None) for stat, values in planes.items()
     ]
-    if chunk.hist is not None:
-        rows, columns, bins = chunk.hist.shape
+    for stat, counts in (("hist", chunk.hist), ("binades", chunk.binades)):
+        if counts is None:
+            continue
+        rows, columns, bins = counts.shape
         part = {
             "batch": np.tile(np.repeat(batches, bins), rows),
             "name": np.repeat(np.arange(rows, dtype=np.int32), columns * bins),
-            "value": chunk.hist.numpy().reshape(-1).astype(np.float64),
+            "value": counts.numpy().reshape(-1).astype(np.float64),
         }
-        parts.append(("hist", part, np.tile(np.arange(bins, dtype=np.int32), rows * columns)))
+        parts.append((stat, part, np.tile(np.arange(bins, dtype=np.int32), rows * columns)))
     if chunk.order is not None:
         rows, columns = np.nonzero(chunk.order[0].numpy() > 0)
         for stat, plane in (("first_nonfinite_call", 0), ("nonfinite_in_call", 1)):
@@ -204,24 +207,24 @@ def read_planes(
     names: list[str],
     batches: np.ndarray,
     planes: dict[str, torch.Tensor],
-    hist: torch.Tensor | None,
+    binned: dict[str, torch.Tensor | None],
 ) -> None:
     """Place the values of a kind's files (`file_columns`) by stat into `planes`, each
-    `(rows, batches)` and cast to its dtype, and the "hist" rows into `hist`
-    `(rows, batches, bins)`; rows by `names`, columns by the sorted `batches`. Other stats are
-    left out."""
+    `(rows, batches)` and cast to its dtype, and the rows of the stats with bins ("hist",
+    "binades") into `binned[stat]` `(rows, batches, bins)`; rows by `names`, columns by the
+    sorted `batches`. Other stats are left out."""
     position = {name: i for i, name in enumerate(names)}
     for f in files:
         row_of = np.array([position[n] for n in f["names"]], dtype=np.int64)
         for s, stat in enumerate(f["stats"]):
-            target = hist if stat == "hist" else planes.get(stat)
+            target = binned.get(stat) if stat in binned else planes.get(stat)
             if target is None:
                 continue
             chosen = f["stat"] == s
             r = torch.from_numpy(row_of[f["name"][chosen]])
             c = torch.from_numpy(np.searchsorted(batches, f["batch"][chosen]))
             values = torch.from_numpy(f["value"][chosen]).to(target.dtype)
-            if stat == "hist":
+            if stat in binned:
                 target[r, c, torch.from_numpy(f["bin"][chosen].astype(np.int64))] = values
             else:
                 target[r, c] = values

@@ -82,7 +82,7 @@ def overview(reading: Reading, path: str | Path | None = None) -> Figure:
     (columns). Every panel names its rows; a constant panel's colour bar shows its one value;
     cells without a value (a module that did not run, a step without a gradient, or NaN) are
     grey, and the title says so."""
-    planes = {"mean": reading.stats[0], "std": reading.stats[1], **reading.extra}
+    planes = reading.planes()
     if reading.recorder == "ParameterStats":
         note = " (grey: no value, no gradient that step or NaN)"
         title, xlabel = f"{reading.kind} statistics per parameter", "optimizer step"

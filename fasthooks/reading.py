@@ -49,9 +49,18 @@ class Reading:
             ['max', 'mean', 'std']
         """
         index = self.module_index(module)
+        return {name: values[index] for name, values in self.planes().items()}
+
+    def planes(self) -> dict[str, torch.Tensor]:
+        """Every recorded statistic as a `(rows, batches)` CPU tensor, by name: "mean", "std",
+        each extra, and with the "binades" extra the low-precision fit of `FIT_PLANES` (the
+        table, the pictures, TensorBoard and the summary read these)."""
         stats = self.stats
-        planes = {name: stats[i, index] for i, name in enumerate(STATS_PLANES)}
-        return {**planes, **{name: values[index] for name, values in self.extra.items()}}
+        planes = {name: stats[i] for i, name in enumerate(STATS_PLANES)}
+        planes.update(self.extra)
+        if "binades" in self.extra_names:
+            planes.update(fit_planes(self))
+        return planes
 
     def format_fit(self, fmt: str, scaling: str | int = "amax") -> FormatFit:
         """How each row's values of each batch would fare cast to the low-precision format `fmt`
@@ -106,7 +115,9 @@ class Reading:
         """The `top` rows that look worst, most severe first, each with what was found and the
         batch where it began: non-finite values; dead units (near-zero fraction at least 0.99,
         or no spread, over the last `window` batches); std exploding or collapsing (10x against
-        the row's own first batches); kurtosis spikes. A `Summary`: printable as a table,
+        the row's own first batches); kurtosis spikes; with the "binades" extra, values that
+        would underflow in fp8 (at least 1% below the smallest subnormal of fp8_e4m3, or of
+        fp8_e5m2 for gradients, with amax scaling). A `Summary`: printable as a table,
         `.to_dataframe()` for pandas, iterable over its `Finding`s."""
         from .summary import summarize
 
@@ -145,6 +156,22 @@ class Reading:
         from .export import log_to_tensorboard
 
         log_to_tensorboard(self, writer, step)
+
+
+# What the "binades" extra adds to every reading's statistics: the dynamic range in binades, and
+# the fractions that would underflow in FP8 with per-tensor amax scaling (to a power of two),
+# fp8_e4m3 as forward activations are cast and fp8_e5m2 as gradients are.
+FIT_PLANES = ("dynamic_range", "fp8_e4m3_underflow", "fp8_e5m2_underflow")
+
+
+def fit_planes(reading: Reading) -> dict[str, torch.Tensor]:
+    """`FIT_PLANES` of a reading that recorded binades."""
+    e4m3, e5m2 = (reading.format_fit(fmt, scaling="amax") for fmt in ("fp8_e4m3", "fp8_e5m2"))
+    return {
+        "dynamic_range": e4m3.dynamic_range,
+        "fp8_e4m3_underflow": e4m3.underflow,
+        "fp8_e5m2_underflow": e5m2.underflow,
+    }
 
 
 def stepped_call_order(nonfinite: torch.Tensor) -> torch.Tensor:

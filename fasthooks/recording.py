@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .layout import BINADE_BINS, COUNTED_EXTRAS
 from .parquet import file_columns, read_folder, read_planes
 from .reading import Reading, stepped_call_order
 
@@ -34,6 +35,8 @@ class Recording(Reading):
         hist: torch.Tensor | None,
         order: torch.Tensor,
         nonfinite_ranks: dict[tuple[int, str], int] | None = None,
+        binades: torch.Tensor | None = None,
+        largest: torch.Tensor | None = None,
     ) -> None:
         self.kind = settings["kind"]
         self.recorder = settings["recorder"]
@@ -48,7 +51,7 @@ class Recording(Reading):
         if self.recorder == "ParameterStats" and "nonfinite" in extra:
             order = stepped_call_order(extra["nonfinite"])
         self.call_order = order
-        self._hist = hist
+        self._hist, self._binades, self._largest = hist, binades, largest
 
     @property
     def num_batches(self) -> int:
@@ -59,6 +62,15 @@ class Recording(Reading):
         if self._hist is None:
             raise AttributeError("hist is recorded only with hist_bins > 0")
         return self._hist
+
+    def _largest_magnitude(self) -> torch.Tensor:
+        return super()._largest_magnitude() if self._largest is None else self._largest
+
+    @property
+    def binades(self) -> torch.Tensor:
+        if self._binades is None:
+            raise AttributeError('binades are recorded only with extra=("binades", ...)')
+        return self._binades
 
     def __repr__(self) -> str:
         return (
@@ -79,18 +91,28 @@ def _assemble(settings: dict[str, Any], tables: list[Any]) -> Recording:
         if name == "nonfinite"
         else torch.full((rows, columns), float("nan"))
         for name in extra_names
+        if name not in COUNTED_EXTRAS
     }
     hist = torch.zeros(rows, columns, bins, dtype=torch.int64) if bins else None
+    binades = largest = None
+    extremes = {}
+    if "binades" in extra_names:  # format_fit reads the largest magnitude too
+        binades = torch.zeros(rows, columns, BINADE_BINS, dtype=torch.int32)
+        extremes = {name: torch.full((rows, columns), float("nan")) for name in ("min", "max")}
     order = torch.zeros(2, rows, columns, dtype=torch.int64)
     planes = {
         "mean": stats[0],
         "std": stats[1],
+        **extremes,
         **extra,
         "first_nonfinite_call": order[0],
         "nonfinite_in_call": order[1],
     }
-    read_planes(files, names, batches, planes, hist)
-    return Recording(settings, torch.from_numpy(batches), stats, extra, hist, order)
+    read_planes(files, names, batches, planes, {"hist": hist, "binades": binades})
+    if extremes:
+        largest = torch.maximum(planes["min"].abs(), planes["max"].abs())
+    batches = torch.from_numpy(batches)
+    return Recording(settings, batches, stats, extra, hist, order, None, binades, largest)
 
 
 def _kind_of(folder: str | os.PathLike, kind: str | None) -> tuple[dict[str, Any], list[Any]]:

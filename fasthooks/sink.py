@@ -35,7 +35,8 @@ class SinkChunk(NamedTuple):
     std; `extra`: each extra statistic `(rows, k)`; `count`: float64 `(rows, k)`, the elements
     recorded; `hist`: int64 `(rows, k, bins)` or None; `order`: int64 `(2, rows, k)`, the call
     order `first_nonfinite` reads, or None; `state`: float64 `(planes, rows, k)`, the merge state
-    (`layout.STATE_PLANES`, the first three without extras) that merges exactly.
+    (`layout.STATE_PLANES`, the first three without extras) that merges exactly; `binades`:
+    int32 `(rows, k, layout.BINADE_BINS)` with the "binades" extra, else None.
     """
 
     kind: str
@@ -47,6 +48,7 @@ class SinkChunk(NamedTuple):
     hist: torch.Tensor | None
     order: torch.Tensor | None
     state: torch.Tensor
+    binades: torch.Tensor | None = None
 
 
 class HostColumns:
@@ -200,6 +202,7 @@ class _Writer:
             columns.hist if columns.hist.numel() else None,
             columns.order if columns.order.numel() else None,
             columns.state,
+            columns.binades if columns.binades.numel() else None,
         )
         if callable(self.target):
             self.target(chunk)

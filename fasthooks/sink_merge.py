@@ -11,8 +11,8 @@ import torch
 
 from .buffers import read_extras
 from .distributed import merge_states
-from .layout import COUNT, state_planes
-from .moments import finalise
+from .layout import BINADE_BINS, COUNT, state_planes
+from .moments import derived_extra, finalise
 from .parquet import MERGEABLE_FORMAT, STATE_STATS, file_columns, file_settings, read_planes
 from .recording import Recording
 from .sink import HOST_DTYPES, HostColumns
@@ -42,6 +42,7 @@ class Columns(NamedTuple):
     hist: torch.Tensor | None
     order: torch.Tensor
     ranks: torch.Tensor
+    binades: torch.Tensor | None
 
 
 def merge_folders(paths: list[str], runs: list[tuple[dict[str, Any], list[Any]]]) -> Recording:
@@ -71,7 +72,10 @@ def merge_folders(paths: list[str], runs: list[tuple[dict[str, Any], list[Any]]]
     }
     settings = {**first, "names": names, "types": types}
     batches = torch.from_numpy(batches)
-    return Recording(settings, batches, stats, extra, merged.hist, merged.order, ranks)
+    largest = None if merged.binades is None else derived_extra("absmax", merged.state)
+    return Recording(
+        settings, batches, stats, extra, merged.hist, merged.order, ranks, merged.binades, largest
+    )
 
 
 def _folder(path: str, settings: dict[str, Any], tables: list[Any]) -> Folder:
@@ -151,16 +155,20 @@ def _columns(
     rows, planes, bins = len(names), state_planes(bool(settings["extra"])), settings["hist_bins"]
     state = torch.zeros(planes, rows, len(batches), dtype=torch.float64)
     hist = torch.zeros(rows, len(batches), bins, dtype=torch.int64) if bins else None
+    binades = None
+    if "binades" in settings["extra"]:
+        binades = torch.zeros(rows, len(batches), BINADE_BINS, dtype=torch.int32)
     order = torch.zeros(2, rows, len(batches), dtype=torch.int64)
     targets = {stat: state[plane] for stat, plane in STATE_STATS.items() if plane < planes}
     targets.update(first_nonfinite_call=order[0], nonfinite_in_call=order[1])
-    read_planes(files, names, batches, targets, hist)
+    read_planes(files, names, batches, targets, {"hist": hist, "binades": binades})
     keep = counted[:, None]
     # An empty slot's mean and extremes were written NaN: its state is zeros, as a run keeps it.
     state = torch.where(keep & (state[COUNT] > 0), state, 0.0)
     hist = None if hist is None else torch.where(keep[..., None], hist, 0)
+    binades = None if binades is None else torch.where(keep[..., None], binades, 0)
     order = torch.where(keep, order, 0)
-    return Columns(state, hist, order, torch.full_like(order[0], rank))
+    return Columns(state, hist, order, torch.full_like(order[0], rank), binades)
 
 
 def _counted(folders: list[Folder], names: list[str], plain_replicated: bool) -> torch.Tensor:
@@ -192,6 +200,7 @@ def _merged(a: Columns, b: Columns) -> Columns:
     recorded, which count none)."""
     state = merge_states([a.state, b.state])
     hist = None if a.hist is None else a.hist + b.hist
+    binades = None if a.binades is None else a.binades + b.binades
     first_a, first_b = a.order[0], b.order[0]
     earlier = (first_b > 0) & ((first_a == 0) | (first_b < first_a))
     uncounted = (a.order[1] < 0) | (b.order[1] < 0)
@@ -201,4 +210,4 @@ def _merged(a: Columns, b: Columns) -> Columns:
             torch.where(uncounted, -1, a.order[1] + b.order[1]),
         ]
     )
-    return Columns(state, hist, order, torch.where(earlier, b.ranks, a.ranks))
+    return Columns(state, hist, order, torch.where(earlier, b.ranks, a.ranks), binades)

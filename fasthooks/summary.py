@@ -12,13 +12,23 @@ if TYPE_CHECKING:
     from .stats import ActivationStats
 
 # What makes a module look bad, most severe first.
-KINDS = ("non-finite", "dead", "std exploding", "std collapsing", "kurtosis spike")
+KINDS = (
+    "non-finite",
+    "dead",
+    "std exploding",
+    "std collapsing",
+    "kurtosis spike",
+    "would underflow in fp8",
+)
 DEAD_FRACTION = 0.99
 # A std this many times above (or below) the module's own first batches.
 STD_FACTOR = 10.0
 # A kurtosis this many times its module's median, and at least SPIKE_FLOOR (3 is normal).
 SPIKE_FACTOR = 10.0
 SPIKE_FLOOR = 30.0
+# With the "binades" extra: this fraction of a module's values (the median over the last batches)
+# below the smallest subnormal of fp8_e4m3 (outputs) or fp8_e5m2 (gradients), amax-scaled.
+UNDERFLOW_FRACTION = 0.01
 
 
 class Finding(NamedTuple):
@@ -139,6 +149,26 @@ def _kurtosis_spikes(kurtosis: torch.Tensor) -> list[Found]:
     return [((3, -peak / median), "kurtosis spike", began, detail)]
 
 
+def _fp8_underflow(stats: dict[str, torch.Tensor], window: int, forward: bool) -> list[Found]:
+    fmt = "fp8_e4m3" if forward else "fp8_e5m2"
+    underflow = stats.get(f"{fmt}_underflow")
+    if underflow is None:
+        return []
+    seen = underflow.isfinite().nonzero().flatten()[-window:]
+    if len(seen) == 0:
+        return []
+    typical = float(underflow[seen].median())
+    if typical < UNDERFLOW_FRACTION:
+        return []
+    began = _first(underflow >= UNDERFLOW_FRACTION)
+    spread = float(stats["dynamic_range"][seen].median())
+    detail = (
+        f"{typical:.1%} of values below {fmt}'s smallest subnormal with amax scaling (median of "
+        f"the last {len(seen)} batches); dynamic range {spread:.0f} binades"
+    )
+    return [((4, -typical), "would underflow in fp8", began, detail)]
+
+
 def module_findings(
     stats: dict[str, torch.Tensor], order: torch.Tensor, window: int, forward: bool = True
 ) -> list[Found]:
@@ -150,6 +180,7 @@ def module_findings(
     found += _std_drift(stats["std"], window)
     if "kurtosis" in stats:
         found += _kurtosis_spikes(stats["kurtosis"])
+    found += _fp8_underflow(stats, window, forward)
     return sorted(found)
 
 

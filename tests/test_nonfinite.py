@@ -38,7 +38,7 @@ def test_the_order_notes_each_modules_first_nonfinite_call(accumulate, full):
     b = StatBuffers(3, 2, "cpu", full=full, hist_bins=0)
     clock = torch.zeros(1, dtype=torch.int64)  # a clock of this test's own
     args = list(b.op_args())
-    args[6] = clock
+    args[7] = clock
     b.cursor.fill_(1)
     for slot, x in _calls():
         accumulate(x, *args, slot, 0.05, 0.0, 1.0)
@@ -55,7 +55,7 @@ def test_the_order_notes_each_modules_first_nonfinite_call(accumulate, full):
 def test_a_non_finite_mean_is_what_tells_with_mean_and_std_only(accumulate):
     b = StatBuffers(2, 1, "cpu", full=False, hist_bins=0)
     args = list(b.op_args())
-    args[6] = torch.zeros(1, dtype=torch.int64)
+    args[7] = torch.zeros(1, dtype=torch.int64)
     accumulate(torch.tensor([1.0, INF, 2.0]), *args, 1, 0.05, 0.0, 1.0)
     accumulate(torch.tensor([3e38, 3e38]), *args, 0, 0.05, 0.0, 1.0)  # finite, near the max
     assert b.order[:, :, 0].tolist() == [[0, 1], [0, -1]]
