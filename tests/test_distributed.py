@@ -22,7 +22,7 @@ from fasthooks.layout import EXTRAS
 
 # Rows of each batch given to rank 0 and rank 1: uneven, and the last batch leaves rank 1 empty.
 SPLITS = [(7, 5), (3, 9), (6, 0)]
-OPTIONS = {"extra": EXTRAS, "hist_bins": 16, "hist_range": (-2.0, 2.0)}
+OPTIONS = {"extra": (*EXTRAS, "binades"), "hist_bins": 16, "hist_range": (-2.0, 2.0)}
 BACKEND_NAMES = ["python", "fused"] if fasthooks.extension_available() else ["python"]
 
 
@@ -39,7 +39,8 @@ def _batches() -> list[torch.Tensor]:
 
 
 def _recorded(act: ActivationStats) -> dict[str, torch.Tensor]:
-    return {"stats": act.stats.clone(), "hist": act.hist.clone(), **act.extra}
+    counts = {"hist": act.hist.clone(), "binades": act.binades.clone()}
+    return {"stats": act.stats.clone(), **counts, **act.extra}
 
 
 def _data_parallel(rank: int) -> dict:

@@ -34,8 +34,10 @@ BACKENDS = ["fused", "python", pytest.param("cuda_on_cpu", marks=CUDA_ON_CPU)]
 KERNELS = ["fused", pytest.param("cuda_on_cpu", marks=CUDA_ON_CPU)]
 
 
-def _buffers(device="cpu", full=False, bins=0, modules=2, capacity=3) -> StatBuffers:
-    return StatBuffers(modules, capacity, device, full=full, hist_bins=bins)
+def _buffers(
+    device="cpu", full=False, bins=0, modules=2, capacity=3, binades=False
+) -> StatBuffers:
+    return StatBuffers(modules, capacity, device, full=full, hist_bins=bins, binades=binades)
 
 
 def _moments(x: torch.Tensor, backend: str = "fused", calls: int = 1, full: bool = False):
@@ -382,15 +384,21 @@ def test_argument_errors_name_the_argument():
 def _opcheck_cases():
     for layout in _layouts("cpu"):
         for dtype in DTYPES:
-            for full, bins in ((False, 0), (True, 0), (False, 5), (True, 5)):
-                yield layout, dtype, full, bins
+            for full, bins, binades in (
+                (False, 0, False),
+                (True, 0, False),
+                (False, 5, False),
+                (True, 5, False),
+                (True, 0, True),
+            ):
+                yield layout, dtype, full, bins, binades
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("layout", "dtype", "full", "bins"), list(_opcheck_cases()))
-def test_opcheck(layout, dtype, full, bins, device):
+@pytest.mark.parametrize(("layout", "dtype", "full", "bins", "binades"), list(_opcheck_cases()))
+def test_opcheck(layout, dtype, full, bins, binades, device):
     x = _layouts(device)[layout].to(dtype)
-    b = _buffers(device, full, bins)
+    b = _buffers(device, full, bins, binades=binades)
     b.cursor.fill_(1)
     accumulate_stats_python(torch.randn(5, device=device), *b.op_args(), 0, 0.05, -1.0, 4.0)
     torch.library.opcheck(
