@@ -41,7 +41,7 @@ export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 
 .PHONY: help setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa \
 	test-cuda-kernels test-wheel test-sdist wheel wheel-venv sdist docs lint bench bench-train bench-quick \
-	bench-cpu bench-params bench-monitors bench-nonfinite bench-window bench-allreduce bench-abi \
+	bench-cpu bench-params bench-monitors bench-nonfinite bench-low-precision bench-window bench-allreduce bench-abi \
 	bench-roofline bench-compile clean
 
 ## help: this list of targets
@@ -277,6 +277,10 @@ bench-allreduce: build
 ## bench-window: 100,000 batches with window=64 and a Parquet sink beside every batch kept
 bench-window: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/window_sink.py --out results/window_sink
+
+## bench-low-precision: the binades extra beside every other extra, torch.sum and hand-rolled counts
+bench-low-precision: build
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/low_precision.py --out results/low_precision
 
 ## bench-nonfinite: the non-finite guard beside DebugUnderflowOverflow and detect_anomaly
 bench-nonfinite: build

@@ -199,3 +199,24 @@ def test_roofline_vs_measured_puts_the_sass_prediction_beside_the_timing(tmp_pat
         row = f"| bfloat16, {name} | 1024 | {bound} | {max(1.0, 1 / bound):.2f} | 2.50 |"
         assert row in run.stdout, (mode, run.stdout)
     assert (tmp_path / "out.md").read_text() == run.stdout
+
+
+@FUSED
+def test_the_low_precision_benchmark_times_binades_beside_the_read_floor(tmp_path):
+    out = tmp_path / "low_precision"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "low_precision.py"),
+            *("--numel", "65536", "--rounds", "1", "--dtypes", "float32", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_script_env(),
+    )
+    assert run.returncode == 0, run.stderr
+    table = (out / "results.md").read_text()
+    assert "| float32 | torch.sum |" in table and "| float32 | every extra + binades |" in table
+    results = json.loads((out / "results.json").read_text())
+    assert all(t["median_s"] > 0 for t in results["float32"].values())
