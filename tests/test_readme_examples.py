@@ -29,6 +29,7 @@ NEEDS = {
     "FSDP2": None,
     "tensor parallelism": None,
     "pipeline stages": None,
+    "fp8 fit": None,
 }
 
 
