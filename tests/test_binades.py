@@ -274,3 +274,12 @@ def test_checkpoints_and_sinks_keep_the_binades(tmp_path):
     _record(resumed, model, batches=1)
     assert torch.equal(resumed.binades[:, 0], whole.binades[:, 1])
     assert resumed.binades[:, 1].sum(-1).tolist() == [16 * 64, 16 * 8]
+
+
+def test_parameter_stats_refuses_binades_by_name():
+    from fasthooks import ParameterStats
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="extra: unknown statistic 'binades'; valid ones are"):
+        ParameterStats(model, opt, backend="python", extra=["binades"])
