@@ -34,9 +34,7 @@ BACKENDS = ["fused", "python", pytest.param("cuda_on_cpu", marks=CUDA_ON_CPU)]
 KERNELS = ["fused", pytest.param("cuda_on_cpu", marks=CUDA_ON_CPU)]
 
 
-def _buffers(
-    device="cpu", full=False, bins=0, modules=2, capacity=3, binades=False
-) -> StatBuffers:
+def _buffers(device="cpu", full=False, bins=0, modules=2, capacity=3, binades=False) -> StatBuffers:
     return StatBuffers(modules, capacity, device, full=full, hist_bins=bins, binades=binades)
 
 
