@@ -105,21 +105,23 @@ def test_guard_benchmark_times_every_watch_and_says_what_each_names(tmp_path):
     assert "the one call the guard changes" in run.stdout
 
 
-def test_the_window_benchmark_writes_its_table(tmp_path):
-    pytest.importorskip("pyarrow")
-    out = tmp_path / "window"
+def _run_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """A benchmark script run to its end, which must succeed."""
     run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "window_sink.py"),
-            *("--batches", "300", "--window", "8", "--out", str(out)),
-        ],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,
         timeout=300,
         env=_script_env(),
     )
     assert run.returncode == 0, run.stderr
+    return run
+
+
+def test_the_window_benchmark_writes_its_table(tmp_path):
+    pytest.importorskip("pyarrow")
+    out = tmp_path / "window"
+    _run_script("window_sink.py", "--batches", "300", "--window", "8", "--out", str(out))
     table = (out / "results.md").read_text()
     # 9 columns of 50 modules at 432 bytes each (every extra, 40 bins), from first to last.
     assert "| window=8, Parquet sink | 194,400 / 194,400 / 194,400 |" in table
@@ -204,18 +206,8 @@ def test_roofline_vs_measured_puts_the_sass_prediction_beside_the_timing(tmp_pat
 @FUSED
 def test_the_low_precision_benchmark_times_binades_beside_the_read_floor(tmp_path):
     out = tmp_path / "low_precision"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "low_precision.py"),
-            *("--numel", "65536", "--rounds", "1", "--dtypes", "float32", "--out", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_script_env(),
-    )
-    assert run.returncode == 0, run.stderr
+    args = ("--numel", "65536", "--rounds", "1", "--dtypes", "float32", "--out", str(out))
+    _run_script("low_precision.py", *args)
     table = (out / "results.md").read_text()
     assert "| float32 | torch.sum |" in table and "| float32 | every extra + binades |" in table
     results = json.loads((out / "results.json").read_text())

@@ -341,36 +341,11 @@ def test_argument_errors_name_the_argument():
         call(x, state, stats, extra, hist, binades, workspace, order, clock.to("meta"), cursor, 0)
     with pytest.raises(RuntimeError, match="stats must be on the state's device cpu, got meta"):
         call(x, state, stats.to("meta"), extra, hist, binades, workspace, order, clock, cursor, 0)
-    with pytest.raises(
-        RuntimeError, match=r"binades must be a contiguous Int tensor of shape \[2, 4, 258\]"
-    ):
-        call(
-            x,
-            state,
-            stats,
-            extra,
-            hist,
-            torch.zeros(2, 4, 257, dtype=torch.int32),
-            workspace,
-            order,
-            clock,
-            cursor,
-            0,
-        )
-    with pytest.raises(RuntimeError, match=r"binades must be a contiguous Int tensor"):
-        call(
-            x,
-            state,
-            stats,
-            extra,
-            hist,
-            torch.zeros(2, 4, 258, dtype=torch.int64),
-            workspace,
-            order,
-            clock,
-            cursor,
-            0,
-        )
+    for wrong in (torch.zeros(2, 4, 257, dtype=torch.int32), torch.zeros(2, 4, 258).long()):
+        with pytest.raises(
+            RuntimeError, match=r"binades must be a contiguous Int tensor of shape \[2, 4, 258\]"
+        ):
+            call(x, state, stats, extra, hist, wrong, workspace, order, clock, cursor, 0)
     with pytest.raises(RuntimeError, match=r"slot must be in \[0, 2\), got 2"):
         call(x, *basic.op_args(), 2)
     with pytest.raises(RuntimeError, match=r"cursor must be in \[0, 4\), got 4"):
