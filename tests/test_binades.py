@@ -13,6 +13,7 @@ from torch import nn
 
 from fasthooks import FORMATS, ActivationStats, format_fit, load
 from fasthooks.buffers import StatBuffers
+from fasthooks.export import newest_metrics
 from fasthooks.layout import BINADE_BINS, BINADE_MAX, BINADE_MIN, BINADE_NAMES
 from fasthooks.moments import accumulate_stats_python, binade_counts
 from fasthooks.ops import accumulate_stats
@@ -253,6 +254,8 @@ def test_summary_table_and_pictures_show_the_fp8_fit(backend, tmp_path):
     rows = table[(table.module == "0") & (table.stat == "fp8_e4m3_underflow")]
     assert rows.value.tolist() == pytest.approx(fit.underflow[0].tolist())
     assert set(table.stat) >= {"dynamic_range", "fp8_e5m2_underflow"}
+    metrics = newest_metrics(act)  # what log_to_tensorboard and the framework callbacks log
+    assert metrics["activations/0/fp8_e4m3_underflow"] == pytest.approx(float(fit.underflow[0, -1]))
     figure = act.plot(tmp_path / "overview.png")
     titles = [ax.get_title() for ax in figure.axes]
     assert "fp8_e4m3_underflow" in titles
