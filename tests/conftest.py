@@ -149,3 +149,24 @@ def assert_buffers_close(got, want, rtol: float = 1e-6, atol: float = 1e-9) -> N
         got[0][3] = want[0][3]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def every_binade(n, dtype, seed):
+    """n values of `dtype` over all its binades and past both ends (so zeros and subnormals from
+    underflow, infinities from overflow), both signs, and every 101st a special value: zeros, the
+    smallest subnormal, the largest finite value, infinities, NaN and, for float64, values beyond
+    float32's range both ways."""
+    info = torch.finfo(dtype)
+    g = torch.Generator().manual_seed(seed)
+    mantissa_bits = -round(math.log2(info.eps))
+    low = round(math.log2(info.smallest_normal)) - mantissa_bits - 4
+    high = round(math.log2(info.max)) + 4
+    exponents = torch.randint(low, high, (n,), generator=g)
+    signs = torch.randint(0, 2, (n,), generator=g, dtype=torch.float64) * 2 - 1
+    x = torch.ldexp((1 + torch.rand(n, generator=g, dtype=torch.float64)) * signs, exponents)
+    specials = [0.0, -0.0, math.inf, -math.inf, math.nan, info.smallest_normal * info.eps]
+    specials += [-info.max, 1e300, -1e-300]
+    x[::101] = torch.tensor(specials, dtype=torch.float64).repeat(n // 101 // len(specials) + 1)[
+        : x[::101].numel()
+    ]
+    return x.to(dtype)

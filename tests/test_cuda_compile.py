@@ -23,12 +23,13 @@ from fasthooks import cuda_setup, ops
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = (80, 90, 100, 120)
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-# (full, bins, diff) as the operator asks for them: a difference kernel computes every statistic;
-# up to 40 bins are counted per thread, more per block.
+# (full, bins, diff, binades) as the operator asks for them: a difference kernel computes every
+# statistic; up to 40 bins are counted per thread, more per block; binades only of values.
 FLAGS = tuple(
-    (full, bins, diff)
+    (full, bins, diff, binades)
     for full, diff in ((False, False), (True, False), (True, True))
     for bins in (0, 16, 256)
+    for binades in ((False,) if diff else (False, True))
 )
 
 
@@ -68,14 +69,19 @@ def test_nvrtc_is_found():
 def test_every_kernel_compiles_for_each_architecture(arch):
     # Into the run's own cache (FASTHOOKS_CACHE_DIR), which the register and roofline tables then
     # read rather than compile again; the cache tests below start from empty ones.
-    kernels = list(itertools.product(DTYPES, (False, True), FLAGS))
+    kernels = [
+        (dtype, list_, flags)
+        for dtype, list_, flags in itertools.product(DTYPES, (False, True), FLAGS)
+        if not (list_ and flags[3])
+    ]
     paths = set()
-    for dtype, list_, (full, bins, diff) in kernels:
+    for dtype, list_, (full, bins, diff, binades) in kernels:
         _, path = cuda_setup.compile_kernel(
-            dtype, arch, full=full, bins=bins, diff=diff, list_=list_
+            dtype, arch, full=full, bins=bins, diff=diff, list_=list_, binades=binades
         )
         name, image = _image(path)
         assert name.startswith(b"_Z") and (b"list" in name) == list_
+        assert ("-binades-" in path) == binades
         assert image[:4] == b"\x7fELF", f"{path} holds no cubin"
         assert f"-sm_{arch}-nvrtc" in path
         assert Path(path).parent == Path(cuda_setup.cache_dir())

@@ -11,12 +11,14 @@ import warnings
 import cuda_on_cpu
 import pytest
 import torch
-from conftest import CUDA_ON_CPU, assert_buffers_close
+from conftest import CUDA_ON_CPU, assert_buffers_close, every_binade
 from torch import nn
 
 from fasthooks import ActivationStats
 from fasthooks.buffers import StatBuffers
 from fasthooks.layout import (
+    BINADE_FIRST,
+    BINADE_MIN,
     CUDA_DROPPED_CALLS,
     CUDA_MAX_BLOCKS,
     CUDA_WORKSPACE_DOUBLES,
@@ -36,19 +38,24 @@ def _default_options():
     cuda_on_cpu.configure()
 
 
-def _results(accumulate, calls, full, bins, lo=-3.0, hi=3.0, **options):
-    b = StatBuffers(2, 2, "cpu", full=full, hist_bins=bins)
-    for column, x in enumerate(calls):
+def _results(
+    accumulate, calls, full, bins, lo=-3.0, hi=3.0, binades=False, columns=None, **options
+):
+    """(state, stats, extra, hist, binades) after calls[i] went to column columns[i] of slot 1
+    (by default, each call a column of its own)."""
+    b = StatBuffers(2, 2, "cpu", full=full, hist_bins=bins, binades=binades)
+    for column, x in zip(columns or range(len(calls)), calls, strict=True):
         b.cursor.fill_(column)
         accumulate(x, *b.op_args(), 1, 0.25, lo, hi, **options)
-    return [t.clone() for t in b.op_args()[:4]]
+    return [t.clone() for t in b.op_args()[:5]]
 
 
-def _assert_matches_python(calls, full, bins, **options):
-    got = _results(cuda_on_cpu.accumulate, calls, full, bins, **options)
-    want = _results(accumulate_stats_python, calls, full, bins)
+def _assert_matches_python(calls, full, bins, binades=False, columns=None, **options):
+    got = _results(cuda_on_cpu.accumulate, calls, full, bins, binades=binades, columns=columns)
+    want = _results(accumulate_stats_python, calls, full, bins, binades=binades, columns=columns)
+    assert torch.equal(got[4], want[4]), "the binades differ"
     # Values of order 1: a mean near 0 is right to float precision, not relatively.
-    assert_buffers_close(got, want, rtol=1e-6, atol=1e-6)
+    assert_buffers_close(got[:4], want[:4], rtol=1e-6, atol=1e-6)
 
 
 def test_the_workspace_layout_is_the_kernels():
@@ -70,17 +77,20 @@ def test_the_emulation_catches_broken_rules(which, said):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("full", "bins"), [(False, 0), (True, 0), (True, 40), (False, 2048)])
-def test_block_orders_lane_splits_and_workers_give_identical_bits(dtype, full, bins):
+@pytest.mark.parametrize(
+    ("full", "bins", "binades"),
+    [(False, 0, False), (True, 0, False), (True, 40, False), (False, 2048, False), (True, 0, True)],
+)
+def test_block_orders_lane_splits_and_workers_give_identical_bits(dtype, full, bins, binades):
     g = torch.Generator().manual_seed(3)
     calls = [(torch.randn(200_003, generator=g) * 2).to(dtype), torch.randn(999, generator=g)]
     runs = []
     before = cuda_on_cpu.counts()["lane_splits"]
     for seed, workers, split in [(1, 4, False), (2, 1, True), (3, 3, True)]:
         cuda_on_cpu.configure(workers=workers, split_lanes=split, seed=seed)
-        runs.append(_results(cuda_on_cpu.accumulate, calls, full, bins))
-    # Counted per block beyond kThreadBins: lanes that share a bin find each other.
-    if bins > cuda_on_cpu.library().harness_thread_bins():
+        runs.append(_results(cuda_on_cpu.accumulate, calls, full, bins, binades=binades))
+    # Counted per block beyond kThreadBins, and binades: lanes that share a bin find each other.
+    if bins > cuda_on_cpu.library().harness_thread_bins() or binades:
         assert cuda_on_cpu.counts()["lane_splits"] > before, "no lanes were ever split"
     for run in runs[1:]:
         for a, b in zip(runs[0], run, strict=True):
@@ -115,6 +125,30 @@ def test_tails(n):
     _assert_matches_python([torch.randn(n, generator=g), torch.randn(n, generator=g)[1:]], True, 40)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("full", "bins"), [(False, 0), (True, 0), (True, 40), (False, 2048)])
+@pytest.mark.parametrize("binades", [True, False], ids=["binades", "no_binades"])
+def test_binades_count_every_kind_of_value_exactly(dtype, full, bins, binades):
+    """Against the Python backend, bin for bin: many blocks, misaligned heads and tails, a call
+    of one block, and three calls into one column adding up; without binades (an empty buffer)
+    the kernels that count none give the same statistics."""
+    x = every_binade(200_003, dtype, seed=bins)
+    calls, columns = [x, x[1:], x[3:1000], x[:5]], [0, 1, 1, 1]
+    _assert_matches_python(calls, full, bins, binades=binades, columns=columns)
+
+
+def test_binade_counts_wrap_as_int32_as_on_the_cpu():
+    x = torch.ones(100_000)  # every value in the bin of 2^0
+    runs = []
+    for accumulate in (cuda_on_cpu.accumulate, accumulate_stats_python):
+        b = StatBuffers(1, 1, "cpu", full=False, hist_bins=0, binades=True)
+        b.binades.fill_(torch.iinfo(torch.int32).max - 10)
+        accumulate(x, *b.op_args(), 0)
+        runs.append(b.binades[0, 0].clone())
+    assert runs[0][BINADE_FIRST - BINADE_MIN] == torch.iinfo(torch.int32).min + 100_000 - 11
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_launches_use_the_blocks_the_gpu_holds():
     resident = cuda_on_cpu.resident_blocks()
     assert resident == 132 * 3  # an H100 or H200 at three blocks a multiprocessor
@@ -130,7 +164,7 @@ def test_calls_from_two_streams_at_once_stay_apart():
     a, b = torch.randn(3_000_000, generator=g) + 10, torch.randn(2_000_000, generator=g) - 4
     buffers = StatBuffers(2, 2, "cpu", full=True, hist_bins=40)
     workspace = torch.zeros(CUDA_WORKSPACE_DOUBLES, dtype=torch.float64)
-    args = (*buffers.op_args()[:4], workspace, *buffers.op_args()[5:])
+    args = (*buffers.op_args()[:5], workspace, *buffers.op_args()[6:])
     errors = []
 
     def call(x, slot, stream):
@@ -174,14 +208,14 @@ def test_each_stream_and_each_capture_gets_a_region_of_its_own():
 
 
 def test_a_call_past_the_capacity_is_counted_not_written():
-    b = StatBuffers(1, 2, "cpu", full=True, hist_bins=10)
+    b = StatBuffers(1, 2, "cpu", full=True, hist_bins=10, binades=True)
     workspace = torch.zeros(CUDA_WORKSPACE_DOUBLES, dtype=torch.float64)
     b.workspace = workspace
     b.cursor.fill_(2)  # as a CUDA graph captured at capacity 2 finds it after two more batches
-    before = [t.clone() for t in b.op_args()[:4]]
+    before = [t.clone() for t in b.op_args()[:5]]
     for _ in range(3):
         cuda_on_cpu.accumulate(torch.randn(5000), *b.op_args(), 0)
-    for now, then in zip(b.op_args()[:4], before, strict=True):
+    for now, then in zip(b.op_args()[:5], before, strict=True):
         assert torch.equal(now.nan_to_num(), then.nan_to_num())
     assert b.dropped_calls() == 3
     assert not workspace[:CUDA_DROPPED_CALLS].any()

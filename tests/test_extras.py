@@ -6,13 +6,13 @@ import math
 import cuda_on_cpu
 import pytest
 import torch
-from conftest import BACKENDS, CUDA_ON_CPU, DEVICES, FUSED
+from conftest import BACKENDS, CUDA_ON_CPU, DEVICES, FUSED, every_binade
 from torch import nn
 
 from fasthooks import ActivationStats, hook_outputs
 from fasthooks.buffers import HostCopy, StatBuffers
-from fasthooks.layout import EXTRA_PLANES, EXTRAS, STATE_PLANES
-from fasthooks.moments import accumulate_stats_python
+from fasthooks.layout import BINADE_BINS, EXTRA_PLANES, EXTRAS, STATE_PLANES
+from fasthooks.moments import accumulate_stats_python, binade_counts
 from fasthooks.ops import accumulate_stats, kernel_layout
 
 ACCUMULATORS = {
@@ -455,6 +455,49 @@ def test_float64_values_are_binned_right_beyond_float32(accumulate):
     x = torch.randn(1000, dtype=torch.float64)
     accumulate(x, *b.op_args(), 0, 0.05, -1e39, 1e39)
     assert b.hist[0, 0].tolist() == [0, int((x < 0).sum()), int((x >= 0).sum()), 0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("full", [False, True], ids=["mean_std", "every_stat"])
+def test_binades_count_every_value_in_its_binade(accumulate, dtype, full, device):
+    x = every_binade(50_001, dtype, seed=11)
+    b = StatBuffers(2, 2, device, full=full, hist_bins=0, binades=True)
+    b.cursor.fill_(1)
+    accumulate(x.to(device), *b.op_args(), 1, 0.05, 0.0, 1.0)
+    accumulate(x[1:].to(device), *b.op_args(), 1, 0.05, 0.0, 1.0)  # a second call adds
+    got = b.binades.cpu()
+    assert torch.equal(got[1, 1].long(), binade_counts(x) + binade_counts(x[1:]))
+    assert not got[0].any() and not got[1, 0].any(), "a count landed in another slot or column"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=list(ACCUMULATORS))
+def test_activation_stats_counts_the_binades_of_every_output(accumulate, device):
+    """ActivationStats(extra=["binades"]) over each operator, the CUDA kernels' device code run on
+    the CPU among them in the fused operator's place."""
+    model = _net().to(device)
+    act = ActivationStats(model, backend="python", extra=["binades", "max"], expected_batches=2)
+    act._accumulate = accumulate
+    seen = []
+    with act, hook_outputs(act.modules) as outputs:
+        for b in range(3):  # past expected_batches: growth keeps every count
+            x = torch.randn(8, 3, 8, 8, device=device) * 10.0 ** (8 * b - 8)
+            model(x)
+            first = [o.clone() for o in outputs.stored]
+            model(x[:3])  # two calls in a batch add up
+            seen.append(
+                [
+                    torch.cat([o1.reshape(-1), o2.reshape(-1)])
+                    for o1, o2 in zip(first, outputs.stored, strict=True)
+                ]
+            )
+            act.on_batch_end(train=True)
+    assert act.binades.shape == (2, 3, BINADE_BINS)
+    for b, outputs_of_batch in enumerate(seen):
+        for m, values in enumerate(outputs_of_batch):
+            assert act.binades[m, b].tolist() == binade_counts(values.cpu()).tolist()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -9,9 +9,11 @@
 // deterministic), merges them into the state slot at the device-side cursor, writes the
 // finalised statistics and resets the finished-blocks counter for the next call. Histograms are
 // counted in shared memory (kernel_layout.h: per thread for few bins, per block for more) and
-// added to the slot's row at the end of the block.
+// added to the slot's row at the end of the block; so are binades (the "binades" extra), per
+// block, in kernels of their own.
 #pragma once
 
+#include "../binades.h"
 #include "../histogram.h"
 #include "kernel_layout.h"
 
@@ -191,9 +193,10 @@ __device__ int32_t bin_or_outside(Acc v, const BinTable<Acc>& t) {
 
 // Where one thread counts its values' bins in shared memory: with kBinsPerThread its own column
 // (bin k at counts[k * kThreads], values in no bin at k = -1 and k = bins), with kBinsPerBlock
-// the block's table.
+// the block's table; and their binades in the block's table of kBinadeBins (null without).
 struct BinCounts {
   unsigned int* counts;
+  unsigned int* binades;
   unsigned int below;  // the lanes of this thread's warp below it
 };
 
@@ -211,6 +214,37 @@ __device__ void count_bin(Acc v, const BinTable<Acc>& table, const BinCounts& hi
       atomicAdd(hist.counts + bin, static_cast<unsigned int>(__popc(peers)));
     }
   }
+}
+
+// The binade of a value from its bits (binades.h). 16-bit values come converted to float, which
+// holds each exactly, its subnormals as normal floats: the float's exponent is the value's binade,
+// the bin binade_of_half_bits and binade_of_bfloat16_bits give, and the conversion is already made
+// for the other statistics.
+__device__ inline int32_t binade_of(float v) { return binade_of_bits(__float_as_uint(v)); }
+__device__ inline int32_t binade_of(double v) {
+  return binade_of_bits(static_cast<uint64_t>(__double_as_longlong(v)));
+}
+
+// Counts v's binade in the block's table as count_bin counts a block's bins: lanes that share a
+// binade add once, together, by the lowest of them, so a warp of like values makes one
+// shared-memory atomic, not 32 that wait on each other.
+template <typename Acc>
+__device__ void count_binade(Acc v, const BinCounts& hist) {
+  const int32_t bin = binade_of(v);
+  const unsigned int peers = __match_any_sync(__activemask(), bin);
+  if ((peers & hist.below) == 0) {
+    atomicAdd(hist.binades + bin, static_cast<unsigned int>(__popc(peers)));
+  }
+}
+
+// The block's binade counters in shared memory: a table of each kernel that counts them.
+template <bool Binades>
+__device__ unsigned int* binade_table() {
+  if constexpr (Binades) {
+    __shared__ unsigned int table[kBinadeBins];
+    return table;
+  }
+  return nullptr;
 }
 
 // The bin counts of every thread's column summed, a warp to a bin, and added to `row`.
@@ -310,8 +344,8 @@ struct PowerSums {
   }
 };
 
-// Adds one load's values to a group's sums, extremes, counts and histogram.
-template <typename Acc, bool Full, int Hist, bool Diff, typename T, int Width>
+// Adds one load's values to a group's sums, extremes, counts, histogram and binades.
+template <typename Acc, bool Full, int Hist, bool Binades, bool Diff, typename T, int Width>
 __device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, Acc shift, Acc near_zero,
                          const BinTable<Acc>& table, const BinCounts& hist, PowerSums<Acc>& a,
                          Extremes<Acc>& e) {
@@ -342,14 +376,15 @@ __device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, Acc s
       e.segment_near_zero += value <= near_zero ? 1.0f : 0.0f;
     }
     if constexpr (Hist != kNoHistogram) count_bin<Hist>(value, table, hist);
+    if constexpr (Binades) count_binade(value, hist);
   }
 }
 
 // Adds the group of Loads loads at i, i + step, ... to `sums`: all issued before the first is
 // used, summed in working precision, then added in double. Checked: loads at or past `end` are
 // left out (a thread's last group).
-template <typename Acc, bool Full, int Hist, int Loads, bool Checked, typename T, int Width,
-          bool Diff>
+template <typename Acc, bool Full, int Hist, bool Binades, int Loads, bool Checked, typename T,
+          int Width, bool Diff>
 __device__ void add_group(const Reader<T, Width, Diff>& r, int64_t i, int64_t end, int64_t step,
                           Acc shift, Acc near_zero, const BinTable<Acc>& table,
                           const BinCounts& hist, PowerSums<double>& sums, Extremes<Acc>& e) {
@@ -366,7 +401,7 @@ __device__ void add_group(const Reader<T, Width, Diff>& r, int64_t i, int64_t en
 #pragma unroll
   for (int u = 0; u < Loads; ++u) {
     if (!Checked || i + u * step < end) {
-      add_load<Acc, Full, Hist, Diff>(v[u], b[u], shift, near_zero, table, hist, group, e);
+      add_load<Acc, Full, Hist, Binades, Diff>(v[u], b[u], shift, near_zero, table, hist, group, e);
     }
   }
   sums.add(group);
@@ -376,9 +411,9 @@ __device__ void add_group(const Reader<T, Width, Diff>& r, int64_t i, int64_t en
 // of kSegmentLoads is summed in working precision around the thread's running mean (at first,
 // the mean of its first load), loads_in_flight loads at a time (each group's sums in working
 // precision, added to the segment's in double), and merged into `moments` in double, so no
-// choice of first values spoils the rest; extremes, counts and the histogram are taken on the
-// way.
-template <typename Acc, bool Full, int Hist, typename T, int Width, bool Diff>
+// choice of first values spoils the rest; extremes, counts, the histogram and binades are taken
+// on the way.
+template <typename Acc, bool Full, int Hist, bool Binades, typename T, int Width, bool Diff>
 __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int64_t first,
                             int64_t step, Acc near_zero, const BinTable<Acc>& table,
                             const BinCounts& hist, Stats& moments, Extremes<Acc>& e) {
@@ -389,7 +424,7 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
     const int64_t segment_loads = rest < kSegmentLoads ? rest : kSegmentLoads;
     const int64_t end = begin + segment_loads * step;
     PowerSums<double> sums;
-    constexpr int kInFlight = loads_in_flight<T, Full, Hist, Diff>();
+    constexpr int kInFlight = loads_in_flight<T, Full, Hist, Binades, Diff>();
     // Every group but a thread's last is whole: its loads need no bounds check. Beside the
     // per-thread bin counters ptxas then holds a group's second load back until the first is
     // used (half the bytes in flight, by cuda_roofline.py), so those kernels check every group.
@@ -397,13 +432,13 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
     if constexpr (Hist != kBinsPerThread) {
       const int64_t whole_end = begin + segment_loads / kInFlight * kInFlight * step;
       for (; i < whole_end; i += kInFlight * step) {
-        add_group<Acc, Full, Hist, kInFlight, false>(r, i, end, step, shift, near_zero, table, hist,
-                                                     sums, e);
+        add_group<Acc, Full, Hist, Binades, kInFlight, false>(r, i, end, step, shift, near_zero,
+                                                              table, hist, sums, e);
       }
     }
     for (; i < end; i += kInFlight * step) {
-      add_group<Acc, Full, Hist, kInFlight, true>(r, i, end, step, shift, near_zero, table, hist,
-                                                  sums, e);
+      add_group<Acc, Full, Hist, Binades, kInFlight, true>(r, i, end, step, shift, near_zero, table,
+                                                           hist, sums, e);
     }
     if constexpr (Full) e.end_segment();
     const auto count = static_cast<double>(segment_loads * Width);
@@ -425,8 +460,9 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
 
 // Block `block` of the `blocks` that read the n values at x (minus base, with Diff) for slot
 // b.slot at column `column`: its partials go to partials[block], its ticket to *finished, and
-// the last of them merges all into the slot and resets *finished for the next call.
-template <typename T, typename Acc, bool Full, int Hist, bool Diff>
+// the last of them merges all into the slot and resets *finished for the next call. With
+// Binades (never with Diff: a parameter's update has none), the values' binades are counted too.
+template <typename T, typename Acc, bool Full, int Hist, bool Binades, bool Diff>
 __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ base, int64_t n,
                                  int64_t head, const Buffers& b, int64_t column, unsigned block,
                                  unsigned blocks, double* partials, unsigned int* finished) {
@@ -434,14 +470,22 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
   auto* lower = reinterpret_cast<Acc*>(dynamic_shared);
   auto* hist = reinterpret_cast<unsigned int*>(lower + bin_edges(Hist));
   const BinTable<Acc> table = bin_table(lower, b.bins, b.hist_min, b.hist_max);
-  if constexpr (Hist != kNoHistogram) {
-    for (int64_t k = threadIdx.x; k <= b.bins; k += blockDim.x) {
-      lower[k] = k < b.bins ? lower_edge<Acc>(k, b.bins, b.hist_min, b.hist_max)
-                            : step(table.top, static_cast<Acc>(INFINITY));
-      if (Hist == kBinsPerBlock && k < b.bins) hist[k] = 0;
+  static_assert(!(Binades && Diff), "binades are counted of values, not of differences");
+  unsigned int* const binades = binade_table<Binades>();
+  if constexpr (Hist != kNoHistogram || Binades) {
+    if constexpr (Hist != kNoHistogram) {
+      for (int64_t k = threadIdx.x; k <= b.bins; k += blockDim.x) {
+        lower[k] = k < b.bins ? lower_edge<Acc>(k, b.bins, b.hist_min, b.hist_max)
+                              : step(table.top, static_cast<Acc>(INFINITY));
+        if (Hist == kBinsPerBlock && k < b.bins) hist[k] = 0;
+      }
+      if constexpr (Hist == kBinsPerThread) {
+        for (int64_t k = 0; k < b.bins + 2; ++k) hist[k * kThreads + threadIdx.x] = 0;
+      }
     }
-    if constexpr (Hist == kBinsPerThread) {
-      for (int64_t k = 0; k < b.bins + 2; ++k) hist[k * kThreads + threadIdx.x] = 0;
+    // Shared memory keeps what the block before left there.
+    if constexpr (Binades) {
+      for (int k = threadIdx.x; k < kBinadeBins; k += blockDim.x) binades[k] = 0;
     }
     __syncthreads();
   }
@@ -469,16 +513,25 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
   const Reader<T, 1, Diff> tail_part{reinterpret_cast<const Scalar*>(tail),
                                      reinterpret_cast<const Scalar*>(at(tail - x))};
   // A thread's column starts a row in, for the values below the range.
-  const BinCounts histogram{Hist == kBinsPerThread ? hist + kThreads + threadIdx.x : hist,
+  const BinCounts histogram{Hist == kBinsPerThread ? hist + kThreads + threadIdx.x : hist, binades,
                             (1u << (threadIdx.x % 32)) - 1u};
-  thread_pass<Acc, Full, Hist>(head_part, head, tid, step, near_zero, table, histogram, moments, e);
-  thread_pass<Acc, Full, Hist>(body, vectors, tid, step, near_zero, table, histogram, moments, e);
-  thread_pass<Acc, Full, Hist>(tail_part, x + n - tail, tid, step, near_zero, table, histogram,
-                               moments, e);
+  thread_pass<Acc, Full, Hist, Binades>(head_part, head, tid, step, near_zero, table, histogram,
+                                        moments, e);
+  thread_pass<Acc, Full, Hist, Binades>(body, vectors, tid, step, near_zero, table, histogram,
+                                        moments, e);
+  thread_pass<Acc, Full, Hist, Binades>(tail_part, x + n - tail, tid, step, near_zero, table,
+                                        histogram, moments, e);
 
   const int64_t cell = b.slot * b.capacity + column;
+  if constexpr (Hist != kNoHistogram || Binades) __syncthreads();
+  if constexpr (Binades) {
+    // int32 counts that wrap, as the CPU's do: an unsigned add gives the same bits.
+    auto* row = reinterpret_cast<unsigned int*>(b.binades + cell * kBinadeBins);
+    for (int k = threadIdx.x; k < kBinadeBins; k += blockDim.x) {
+      if (binades[k] != 0) atomicAdd(row + k, binades[k]);
+    }
+  }
   if constexpr (Hist != kNoHistogram) {
-    __syncthreads();
     int64_t* row = b.hist + cell * b.bins;
     if constexpr (Hist == kBinsPerThread) {
       add_thread_columns(hist + kThreads, b.bins, row);
@@ -547,17 +600,18 @@ __device__ inline int64_t column_or_drop(const Buffers& b, unsigned long long ca
   return -1;
 }
 
-template <typename T, typename Acc, bool Full, int Hist, bool Diff>
+template <typename T, typename Acc, bool Full, int Hist, bool Diff, bool Binades>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     accumulate_stats_kernel(const T* __restrict__ x, const T* __restrict__ base, int64_t n,
                             int64_t head, Buffers b) {
   const int64_t column = column_or_drop(b, 1);
   if (column < 0) return;
-  accumulate_block<T, Acc, Full, Hist, Diff>(x, base, n, head, b, column, blockIdx.x, gridDim.x,
-                                             b.partials, b.finished);
+  accumulate_block<T, Acc, Full, Hist, Binades, Diff>(x, base, n, head, b, column, blockIdx.x,
+                                                      gridDim.x, b.partials, b.finished);
 }
 
-// Every tensor of a table in one launch: block i works for the tensor whose blocks hold i.
+// Every tensor of a table in one launch: block i works for the tensor whose blocks hold i. It
+// counts no binades (accumulate_stats_list keeps none).
 template <typename T, typename Acc, bool Full, int Hist, bool Diff>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     accumulate_list_kernel(const __grid_constant__ TensorTable table, Buffers b) {
@@ -568,7 +622,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   const int32_t first = table.first_block[t];
   Buffers own = b;
   own.slot = table.slot[t];
-  accumulate_block<T, Acc, Full, Hist, Diff>(
+  accumulate_block<T, Acc, Full, Hist, false, Diff>(
       static_cast<const T*>(table.x[t]), static_cast<const T*>(table.base[t]), table.n[t],
       table.head[t], own, column, blockIdx.x - first, table.first_block[t + 1] - first,
       b.partials + kPartials * first, b.finished + 2 * t);

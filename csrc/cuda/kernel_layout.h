@@ -28,12 +28,12 @@ constexpr int64_t kThreadBins = 40;
 // Loads a thread issues before it uses the first of them (a load and its base's with Diff): as
 // many as the registers hold beside the statistics', which keeps twice what an H200 needs to
 // hide its memory's latency in flight where ptxas allows (benchmarks/cuda_roofline.py). Fewer
-// where the statistics are kept in double, or where a block's bin search and 16-bit unpacking
-// would otherwise spill in the loop.
-template <typename T, bool Full, int Hist, bool Diff>
+// where the statistics are kept in double, or where a block's bin search or binade count and
+// 16-bit unpacking would otherwise spill in the loop.
+template <typename T, bool Full, int Hist, bool Binades, bool Diff>
 C10_HOST_DEVICE constexpr int loads_in_flight() {
-  if (!Full && Hist == kNoHistogram) return Diff ? 4 : (sizeof(T) == 4 ? 8 : 6);
-  const bool tight = sizeof(T) == 8 || (sizeof(T) == 2 && Hist == kBinsPerBlock);
+  if (!Full && Hist == kNoHistogram && !Binades) return Diff ? 4 : (sizeof(T) == 4 ? 8 : 6);
+  const bool tight = sizeof(T) == 8 || (sizeof(T) == 2 && (Hist == kBinsPerBlock || Binades));
   return Diff ? (tight ? 2 : 3) : (tight ? 4 : 6);
 }
 // Per-block partial results: one Stats, as the state planes.

@@ -19,10 +19,12 @@ inline std::string name_expression(const KernelVariant& v) {
   return std::string("&fasthooks::cuda::") +
          (v.list ? "accumulate_list_kernel<" : "accumulate_stats_kernel<") + value_type_name(v) +
          ", " + (sums_in_double(v) ? "double" : "float") + ", " + flag(v.full) + ", " +
-         std::to_string(v.hist) + ", " + flag(v.diff) + ">";
+         std::to_string(v.hist) + ", " + flag(v.diff) +
+         (v.list ? std::string() : std::string(", ") + flag(v.binades)) + ">";
 }
 
-// For example "bfloat16-list-full-hist" (bins per block) or "float32-basic-threadhist".
+// For example "bfloat16-list-full-hist" (bins per block), "float32-basic-threadhist" or
+// "float16-full-binades".
 inline std::string variant_label(const KernelVariant& v) {
   constexpr const char* kDtypes[] = {"float32", "float64", "float16", "bfloat16"};
   std::string label = kDtypes[v.dtype];
@@ -31,6 +33,7 @@ inline std::string variant_label(const KernelVariant& v) {
   if (v.hist == kBinsPerThread) label += "-threadhist";
   if (v.hist == kBinsPerBlock) label += "-hist";
   if (v.diff) label += "-diff";
+  if (v.binades) label += "-binades";
   return label;
 }
 

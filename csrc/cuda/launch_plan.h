@@ -112,20 +112,23 @@ void for_each_table(const T* const* x, const T* const* base, const int64_t* n, c
 }
 
 // Which kernel a launch runs: accumulate_stats_kernel or, for a list, accumulate_list_kernel,
-// instantiated for a dtype (its dtype_position), the statistics asked for and how a histogram of
-// `bins` bins is counted (kernel_layout.h). With a base (diff), every statistic is.
+// instantiated for a dtype (its dtype_position), the statistics asked for, how a histogram of
+// `bins` bins is counted (kernel_layout.h) and whether binades are. With a base (diff), every
+// statistic is; binades only by accumulate_stats_kernel of values, not of a difference.
 struct KernelVariant {
   int dtype;
   bool list;
   bool full;
   int hist;
   bool diff;
+  bool binades;
 };
 
-inline KernelVariant variant_of(int dtype, bool list, bool full, int64_t bins, bool diff) {
+inline KernelVariant variant_of(int dtype, bool list, bool full, int64_t bins, bool diff,
+                                bool binades) {
   const int hist =
       bins == 0 ? kNoHistogram : (bins <= kThreadBins ? kBinsPerThread : kBinsPerBlock);
-  return {dtype, list, full || diff, hist, diff};
+  return {dtype, list, full || diff, hist, diff, binades && !list && !diff};
 }
 
 // float64 values are summed in double, every other dtype in float (Accumulator).

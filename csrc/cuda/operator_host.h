@@ -30,8 +30,8 @@ struct OperatorHost {
     const T* p = static_cast<const T*>(x.const_data_ptr());
     const T* b = base != nullptr ? static_cast<const T*>(base->const_data_ptr()) : nullptr;
     const int64_t n = x.numel();
-    const KernelVariant kernel =
-        variant_of(dtype_position(dtype_of(x)), false, full, buffers.bins, b != nullptr);
+    const KernelVariant kernel = variant_of(dtype_position(dtype_of(x)), false, full, buffers.bins,
+                                            b != nullptr, buffers.binades != nullptr);
     const LaunchPlan plan = plan_launch(p, b, n, Device::resident_blocks(kernel, device));
     Device::launch(kernel, plan.blocks, stream, device, p, b, n, plan.head, buffers);
   }
@@ -58,7 +58,7 @@ struct OperatorHost {
     }
     const bool diff = !group.base.empty();
     const KernelVariant kernel =
-        variant_of(dtype_position(dtype_of(group.x[0])), true, full, buffers.bins, diff);
+        variant_of(dtype_position(dtype_of(group.x[0])), true, full, buffers.bins, diff, false);
     const int64_t resident = Device::resident_blocks(kernel, device);
     for_each_table(x.data(), diff ? base.data() : nullptr, n.data(), group.slot.data(),
                    static_cast<int64_t>(x.size()), resident, [&](const TensorTable& table) {

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -366,6 +367,8 @@ unsigned saturated_unsigned(F v) {
 inline unsigned __float2uint_rz(float v) { return saturated_unsigned(v); }
 inline unsigned __double2uint_rz(double v) { return saturated_unsigned(v); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline unsigned __float_as_uint(float v) { return std::bit_cast<unsigned>(v); }
+inline long long __double_as_longlong(double v) { return std::bit_cast<long long>(v); }
 inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
   return std::atomic_ref<unsigned>(*p).fetch_add(v);

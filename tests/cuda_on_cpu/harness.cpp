@@ -69,8 +69,17 @@ struct Emulated {
       using T =
           std::remove_cv_t<std::remove_pointer_t<std::tuple_element_t<0, std::tuple<Args...>>>>;
       with_flags(v, [&](auto full, auto hist, auto diff) {
-        f(accumulate_stats_kernel<T, typename Accumulator<T>::type, decltype(full)::value,
-                                  decltype(hist)::value, decltype(diff)::value>);
+        using Acc = typename Accumulator<T>::type;
+        constexpr bool kFull = decltype(full)::value, kDiff = decltype(diff)::value;
+        constexpr int kHist = decltype(hist)::value;
+        // Binades only of values (variant_of): a kernel of a difference has none to instantiate.
+        if constexpr (kDiff) {
+          f(accumulate_stats_kernel<T, Acc, kFull, kHist, kDiff, false>);
+        } else if (v.binades) {
+          f(accumulate_stats_kernel<T, Acc, kFull, kHist, kDiff, true>);
+        } else {
+          f(accumulate_stats_kernel<T, Acc, kFull, kHist, kDiff, false>);
+        }
       });
     }
   }
