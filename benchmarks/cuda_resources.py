@@ -57,23 +57,27 @@ class Kernel(NamedTuple):
     bins: int  # the histogram's bin count (0: none): up to 40 counted per thread, more per block
     diff: bool  # of a difference from a base
     is_list: bool  # the list kernel (accumulate_stats_list)
+    binades: bool = False  # the "binades" extra counted too (one tensor's values only)
 
     @property
     def what(self) -> str:
         what = ("every statistic" if self.full else "mean and std") + (
             f" + histogram ({self.bins} bins)" if self.bins else ""
         )
+        what += " + binades" if self.binades else ""
         what += " of a difference" if self.diff else ""
         return what + (", list" if self.is_list else "")
 
 
-# Every instantiation the extension can launch: a difference has every statistic.
+# Every instantiation the extension can launch: a difference has every statistic; binades are
+# counted of one tensor's values, not of a list or a difference.
 KERNELS = [
-    Kernel(dtype, full, bins, diff, is_list)
+    Kernel(dtype, full, bins, diff, is_list, binades)
     for dtype in ("float32", "float64", "float16", "bfloat16")
     for is_list in (False, True)
     for full, diff in ((False, False), (True, False), (True, True))
     for bins in HISTOGRAM_BINS
+    for binades in ((False, True) if not (is_list or diff) else (False,))
 ]
 
 
@@ -124,6 +128,7 @@ def cubin(kernel: Kernel, arch: str) -> tuple[str, bytes]:
         bins=kernel.bins,
         diff=kernel.diff,
         list_=kernel.is_list,
+        binades=kernel.binades,
     )
     return cuda_setup.read_kernel(path)
 

@@ -84,12 +84,13 @@ LATENCY_NS = 700
 GOAL_GPU, GOAL_ISSUE, GOAL_IN_FLIGHT = "H200", 1.5, 2.0
 # The variants the table shows (results.json holds every kernel), each for every dtype.
 SHOWN = [
-    (False, 0, False, False),  # (full, bins, diff, list): mean and std
-    (True, 0, False, False),
-    (True, 16, False, False),
-    (True, 256, False, False),
-    (True, 0, False, True),
-    (True, 0, True, True),
+    (False, 0, False, False, False),  # (full, bins, diff, list, binades): mean and std
+    (True, 0, False, False, False),
+    (True, 0, False, False, True),
+    (True, 16, False, False, False),
+    (True, 256, False, False, False),
+    (True, 0, False, True, False),
+    (True, 0, True, True, False),
 ]
 DTYPE_ORDER = ["float32", "bfloat16", "float16", "float64"]
 BEGIN, END = "<!-- cuda_roofline:begin -->", "<!-- cuda_roofline:end -->"
@@ -378,9 +379,9 @@ def shown(results: dict[str, dict[str, dict]]) -> list[str]:
     picked = []
     for variant, per_arch in results.items():
         k = Kernel(**next(iter(per_arch.values()))["kernel"])
-        if (k.full, k.bins, k.diff, k.is_list) in SHOWN:
-            rank = (DTYPE_ORDER.index(k.dtype), SHOWN.index((k.full, k.bins, k.diff, k.is_list)))
-            picked.append((rank, variant))
+        flags = (k.full, k.bins, k.diff, k.is_list, k.binades)
+        if flags in SHOWN:
+            picked.append(((DTYPE_ORDER.index(k.dtype), SHOWN.index(flags)), variant))
     return [variant for _, variant in sorted(picked)]
 
 

@@ -11,6 +11,7 @@ from torch import nn
 import fasthooks
 from fasthooks import ActivationStats, NonFinite, NonFiniteError, NonFiniteWarning
 from fasthooks.buffers import StatBuffers
+from fasthooks.layout import AccumulateArgs
 from fasthooks.moments import accumulate_stats_python
 from fasthooks.ops import accumulate_stats
 
@@ -32,13 +33,17 @@ def _calls() -> list[tuple[int, torch.Tensor]]:
     return [(0, finite), (1, finite), (2, bad), (0, bad[:3000]), (2, bad), (1, finite)]
 
 
+# The clock's place among StatBuffers.op_args(), which start after x.
+CLOCK = AccumulateArgs._fields.index("clock") - 1
+
+
 @pytest.mark.parametrize("full", [False, True], ids=["mean_std", "every_stat"])
 @pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=ACCUMULATORS)
 def test_the_order_notes_each_modules_first_nonfinite_call(accumulate, full):
     b = StatBuffers(3, 2, "cpu", full=full, hist_bins=0)
     clock = torch.zeros(1, dtype=torch.int64)  # a clock of this test's own
     args = list(b.op_args())
-    args[7] = clock
+    args[CLOCK] = clock
     b.cursor.fill_(1)
     for slot, x in _calls():
         accumulate(x, *args, slot, 0.05, 0.0, 1.0)
@@ -55,7 +60,7 @@ def test_the_order_notes_each_modules_first_nonfinite_call(accumulate, full):
 def test_a_non_finite_mean_is_what_tells_with_mean_and_std_only(accumulate):
     b = StatBuffers(2, 1, "cpu", full=False, hist_bins=0)
     args = list(b.op_args())
-    args[7] = torch.zeros(1, dtype=torch.int64)
+    args[CLOCK] = torch.zeros(1, dtype=torch.int64)
     accumulate(torch.tensor([1.0, INF, 2.0]), *args, 1, 0.05, 0.0, 1.0)
     accumulate(torch.tensor([3e38, 3e38]), *args, 0, 0.05, 0.0, 1.0)  # finite, near the max
     assert b.order[:, :, 0].tolist() == [[0, 1], [0, -1]]
