@@ -286,3 +286,20 @@ def test_parameter_stats_refuses_binades_by_name():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="extra: unknown statistic 'binades'; valid ones are"):
         ParameterStats(model, opt, backend="python", extra=["binades"])
+
+
+def test_gradient_binades_and_their_fp8_finding():
+    model = _tiny_values_model()
+    act = ActivationStats(model, backend="python", extra=["binades"], is_forward=False)
+    grads = []
+    model[0].register_forward_hook(
+        lambda m, i, o: o.register_hook(lambda g: grads.append(g.clone()))
+    )
+    with act:
+        for _ in range(3):
+            (model(torch.randn(16, 64)) * 1e-6).sum().backward()
+            act.on_batch_end()
+    assert [act.binades[0, b].tolist() for b in range(3)] == [reference_binades(g) for g in grads]
+    kinds = {f.module: f.kind for f in act.summary()}
+    underflow = act.format_fit("fp8_e5m2").underflow[0]
+    assert (kinds.get("0") == "would underflow in fp8") == bool(underflow.median() >= 0.01)
