@@ -292,9 +292,11 @@ def test_gradient_binades_and_their_fp8_finding():
     model = _tiny_values_model()
     act = ActivationStats(model, backend="python", extra=["binades"], is_forward=False)
     grads = []
-    model[0].register_forward_hook(
-        lambda m, i, o: o.register_hook(lambda g: grads.append(g.clone()))
-    )
+
+    def keep_gradient(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        output.register_hook(lambda g: grads.append(g.clone()))
+
+    model[0].register_forward_hook(keep_gradient)
     with act:
         for _ in range(3):
             (model(torch.randn(16, 64)) * 1e-6).sum().backward()
