@@ -231,6 +231,29 @@ CheckedList check_list(const std::vector<Tensor>& xs, const std::vector<Tensor>&
   return checked;
 }
 
+void check_top(const Tensor& top, const Tensor& x, const Tensor& state, int64_t channel_dim) {
+  if (top.numel() == 0) return;
+  FASTHOOKS_CHECK(top.dim() == 4 && top.size(2) >= 1 && top.size(2) <= kMaxTopK,
+                  "accumulate_stats: top must have shape (modules, batches, k, 2) with k in [1, ",
+                  kMaxTopK, "], got ", shape_of(top));
+  check_buffer(top, "top", ScalarType::Double, {state.size(1), state.size(2), top.size(2), 2});
+  FASTHOOKS_CHECK(place_of(top) == place_of(state),
+                  "accumulate_stats: top must be on the state's device ", device_of(state),
+                  ", got ", device_of(top));
+  const int64_t dims = x.dim() > 0 ? x.dim() : 1;
+  FASTHOOKS_CHECK(channel_dim >= -dims && channel_dim < dims,
+                  "accumulate_stats: channel_dim must be in [", -dims, ", ", dims,
+                  ") for x of shape ", shape_of(x), ", got ", channel_dim);
+}
+
+ChannelMap channel_map(const Tensor& dense, int64_t channel_dim) {
+  if (dense.dim() == 0) return {1, 1};
+  const int64_t dim = channel_dim < 0 ? channel_dim + dense.dim() : channel_dim;
+  const int64_t size = dense.size(dim);
+  // A dimension of one channel may have any stride; every position is its channel 0.
+  return {size > 1 ? dense.stride(dim) : 1, size > 0 ? size : 1};
+}
+
 bool check_call_order(const Tensor& order, const Tensor& clock, const Tensor& state) {
   if (order.numel() == 0) return false;
   check_buffer(order, "order", ScalarType::Long, {2, state.size(1), state.size(2)});

@@ -46,12 +46,13 @@ def call_clock(device: torch.device | str) -> torch.Tensor:
 class StatBuffers:
     """Every buffer the operator writes for `num_modules` modules and `capacity` batch columns,
     as `layout.BUFFERS` declares them; with `ordered=False` no call order
-    (`accumulate_stats_list`, which keeps none), with `binades=True` the binade counts.
+    (`accumulate_stats_list`, which keeps none), with `binades=True` the binade counts, with
+    `top_k=k` the k values of largest magnitude and their channels.
 
     Examples:
         >>> b = StatBuffers(3, 8, "cpu", full=True, hist_bins=40)
         >>> [tuple(t.shape) for t in b.columned().values()]
-        [(9, 3, 8), (2, 3, 8), (4, 3, 8), (3, 8, 40), (0,), (2, 3, 8)]
+        [(9, 3, 8), (2, 3, 8), (4, 3, 8), (3, 8, 40), (0,), (0,), (2, 3, 8)]
     """
 
     state: torch.Tensor
@@ -59,6 +60,7 @@ class StatBuffers:
     extra: torch.Tensor
     hist: torch.Tensor
     binades: torch.Tensor
+    top: torch.Tensor
     order: torch.Tensor
 
     def __init__(
@@ -70,10 +72,11 @@ class StatBuffers:
         hist_bins: int,
         ordered: bool = True,
         binades: bool = False,
+        top_k: int = 0,
     ) -> None:
         device = torch.device(device)
         self.full, self.hist_bins, self.ordered = full, hist_bins, ordered
-        self.binned = binades
+        self.binned, self.top_k = binades, top_k
         self.num_modules = num_modules
         # Buffers made under torch.inference_mode could not be updated once training resumes.
         with torch.inference_mode(False):
@@ -97,6 +100,7 @@ class StatBuffers:
                 self.hist_bins,
                 self.ordered,
                 self.binned,
+                self.top_k,
             )
             setattr(self, spec.name, torch.full(shape, spec.fill, dtype=spec.dtype, device=device))
         self.capacity = capacity
@@ -106,7 +110,7 @@ class StatBuffers:
         return {spec.name: getattr(self, spec.name) for spec in BUFFERS}
 
     def op_args(self) -> tuple[torch.Tensor, ...]:
-        """(state, stats, extra, hist, binades, workspace, order, clock, cursor):
+        """(state, stats, extra, hist, binades, top, workspace, order, clock, cursor):
         `accumulate_stats`'s buffer arguments."""
         return (
             self.state,
@@ -114,6 +118,7 @@ class StatBuffers:
             self.extra,
             self.hist,
             self.binades,
+            self.top,
             self.workspace,
             self.order,
             self.clock,
@@ -122,7 +127,7 @@ class StatBuffers:
 
     def list_op_args(self) -> tuple[torch.Tensor, ...]:
         """(state, stats, extra, hist, workspace, cursor): `accumulate_stats_list`'s, which keeps
-        no call order and no binades."""
+        no call order, no binades and no top values."""
         return self.state, self.stats, self.extra, self.hist, self.workspace, self.cursor
 
     def grow(self) -> None:
@@ -145,6 +150,7 @@ class StatBuffers:
             self.hist_bins,
             self.ordered,
             self.binned,
+            self.top_k,
         )
         moved.cursor.copy_(self.cursor)
         for name, tensor in self.columned().items():
@@ -161,6 +167,7 @@ class StatBuffers:
             self.hist_bins,
             self.ordered,
             self.binned,
+            self.top_k,
         )
         grown.cursor.copy_(self.cursor)
         for spec in BUFFERS:

@@ -46,13 +46,14 @@ class ColumnStore:
         aux: tuple[str, ...] = (),
         resume_batches: int = 0,
         binades: bool = False,
+        top_k: int = 0,
     ) -> None:
         self.window, self.kinds = window, list(kinds)
         capacity = window.capacity
         if window.size is None:
             capacity = max(capacity, resume_batches + 1)
         self.buffers = {
-            kind: StatBuffers(rows, capacity, device, full, hist_bins, ordered, binades)
+            kind: StatBuffers(rows, capacity, device, full, hist_bins, ordered, binades, top_k)
             for kind in kinds
         }
         for kind in aux:

@@ -12,6 +12,9 @@ activations' device:
 - `hist`, int64 `(modules, batches, bins)` with a histogram, else empty;
 - `binades`, int32 `(modules, batches, BINADE_BINS)` with the "binades" extra, else empty: how
   many values have each power-of-two exponent (`BINADE_NAMES`);
+- `top`, float64 `(modules, batches, k, 2)` with `top_k=k`, else empty: the k values of largest
+  magnitude of each slot and their channels, as (value, channel) pairs in the order of
+  `moments.top_of`; NaN pairs where a slot holds fewer than k values that are not NaN;
 - `order`, int64 `(len(ORDER_PLANES), modules, batches)`: the call order. Every hooked call of
   every run on a device advances that device's call clock (one int64, shared); a slot holds 1 +
   the clock of the module's first call in that batch whose values held a NaN or an infinity (0:
@@ -52,6 +55,9 @@ BINADE_BINS = len(BINADE_NAMES)
 BINADE_ZERO, BINADE_BELOW = 0, 1
 BINADE_FIRST = 2  # the bin of binade BINADE_MIN
 BINADE_ABOVE, BINADE_NONFINITE = BINADE_BINS - 2, BINADE_BINS - 1
+# `top_k` keeps at most this many values per slot.
+MAX_TOP_K = 16
+TOP_VALUE, TOP_CHANNEL = 0, 1
 STATE_PLANES = ("count", "mean", "m2", "m3", "m4", "min", "max", "near_zero", "nonfinite")
 BASIC_PLANES = 3
 STATS_PLANES = ("mean", "std")
@@ -82,10 +88,10 @@ class AccumulateArgs(NamedTuple):
     options. Every backend's entry point takes these.
 
     Examples:
-        >>> names = "x state stats extra hist binades workspace order clock cursor".split()
+        >>> names = "x state stats extra hist binades top workspace order clock cursor".split()
         >>> AccumulateArgs(*names, 0)
         ... # doctest: +ELLIPSIS
-        AccumulateArgs(x='x', ..., slot=0, near_zero=0.05, hist_min=0.0, hist_max=10.0)
+        AccumulateArgs(x='x', ..., slot=0, near_zero=0.05, hist_min=0.0, ..., channel_dim=-1)
     """
 
     x: torch.Tensor
@@ -94,6 +100,7 @@ class AccumulateArgs(NamedTuple):
     extra: torch.Tensor
     hist: torch.Tensor
     binades: torch.Tensor
+    top: torch.Tensor
     workspace: torch.Tensor
     order: torch.Tensor
     clock: torch.Tensor
@@ -102,16 +109,17 @@ class AccumulateArgs(NamedTuple):
     near_zero: float = 0.05
     hist_min: float = 0.0
     hist_max: float = 10.0
+    channel_dim: int = -1
 
 
 # The operator's tensor arguments; its scalars follow.
-TENSOR_ARGUMENTS = AccumulateArgs._fields[:10]
+TENSOR_ARGUMENTS = AccumulateArgs._fields[:11]
 
 
 class BufferSpec(NamedTuple):
     """One buffer of a run: its name, dtype, column axis, the value of an empty column, and how
     ranks merge it ("moments": the pairwise rule; "finalised": computed again from the merged
-    state; "sum"; "gathered": every rank's kept apart)."""
+    state; "sum"; "gathered": every rank's kept apart; "top": the k largest of the union)."""
 
     name: str
     dtype: torch.dtype
@@ -128,6 +136,7 @@ BUFFERS = (
     BufferSpec("extra", torch.float32, 2, float("nan"), "finalised"),
     BufferSpec("hist", torch.int64, 1, 0, "sum"),
     BufferSpec("binades", torch.int32, 1, 0, "sum"),
+    BufferSpec("top", torch.float64, 1, float("nan"), "top"),
     BufferSpec("order", torch.int64, 2, 0, "gathered"),
 )
 # A checkpoint keeps these; the finalised ones are computed again from the state.
@@ -142,6 +151,7 @@ def buffer_shape(
     hist_bins: int,
     ordered: bool,
     binades: bool = False,
+    top_k: int = 0,
 ) -> tuple[int, ...]:
     """The shape of one buffer; `(0,)` for one the run does not keep.
 
@@ -150,9 +160,13 @@ def buffer_shape(
         ((3, 8, 40), (0,))
         >>> buffer_shape("binades", 3, 8, True, 0, True, binades=True)
         (3, 8, 258)
+        >>> buffer_shape("top", 3, 8, True, 0, True, top_k=4)
+        (3, 8, 4, 2)
     """
     if name == "binades":
         return (modules, columns, BINADE_BINS) if binades else (0,)
+    if name == "top":
+        return (modules, columns, top_k, 2) if top_k else (0,)
     planes = {
         "state": state_planes(full),
         "stats": len(STATS_PLANES),

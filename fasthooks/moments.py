@@ -27,6 +27,8 @@ from .layout import (
     NEAR_ZERO,
     NONFINITE,
     STATE_PLANES,
+    TOP_CHANNEL,
+    TOP_VALUE,
     AccumulateArgs,
 )
 
@@ -91,6 +93,74 @@ def binade_counts(x: torch.Tensor) -> torch.Tensor:
     index = torch.where(magnitude.isfinite(), index, BINADE_NONFINITE)
     counts = torch.zeros(BINADE_BINS, dtype=torch.int64, device=x.device)
     return counts.scatter_add_(0, index, torch.ones_like(index))
+
+
+def channel_of_each(x: torch.Tensor, channel_dim: int) -> torch.Tensor:
+    """int64 channel index of each of x's values along `channel_dim` (torch's convention:
+    negative counts from the end), flattened as `x.reshape(-1)`; all 0 for a 0-d x.
+
+    Examples:
+        >>> channel_of_each(torch.zeros(2, 3), 1).tolist()
+        [0, 1, 2, 0, 1, 2]
+    """
+    if x.dim() == 0:
+        return torch.zeros(1, dtype=torch.int64, device=x.device)
+    dim = channel_dim % x.dim()
+    shape = [1] * x.dim()
+    shape[dim] = -1
+    channels = torch.arange(x.shape[dim], dtype=torch.int64, device=x.device)
+    return channels.view(shape).expand(x.shape).reshape(-1)
+
+
+def top_of(values: torch.Tensor, channels: torch.Tensor, k: int) -> torch.Tensor:
+    """The k (value, channel) pairs of largest magnitude among `values` (float64) and their
+    `channels` (int64, each in [0, 2^32)), float64 `(k, 2)`, in the one order every backend
+    keeps: larger magnitude first; of equal magnitude, positive (sign bit clear) first; then the
+    lower channel. NaN values are never taken; NaN pairs fill the rows past the values there are.
+    The order is total on (value, channel) pairs, so the pairs taken do not depend on the order
+    the values come in, and merging the tops of parts gives the top of the whole.
+
+    Examples:
+        >>> values = torch.tensor([1.0, -3.0, 3.0, float("nan"), 2.0], dtype=torch.float64)
+        >>> top_of(values, torch.tensor([0, 1, 2, 3, 4]), 4).tolist()
+        [[3.0, 2.0], [-3.0, 1.0], [2.0, 4.0], [1.0, 0.0]]
+        >>> top_of(values[:2], torch.tensor([5, 6]), 3)[2].isnan().all().item()
+        True
+    """
+    magnitude = torch.where(values.isnan(), -1.0, values.abs())
+    kept = min(k, magnitude.numel())
+    top = torch.full((k, 2), float("nan"), dtype=torch.float64, device=values.device)
+    if kept == 0:
+        return top
+    # Without a host sync: every magnitude above the kept-th largest is taken; of those equal
+    # to it, the best by sign and channel, through one integer key.
+    floor = magnitude.topk(kept).values[-1]
+    rank = (magnitude > floor).long() * 2 + (magnitude == floor).long()
+    positive = (~values.signbit()).long()
+    key = (rank << 33) | (positive << 32) | ((1 << 32) - 1 - channels)
+    taken = key.topk(kept).indices
+    value, channel, size = values[taken], channels[taken], magnitude[taken]
+    order = torch.argsort(channel, stable=True)
+    order = order[torch.argsort(positive[taken][order], descending=True, stable=True)]
+    order = order[torch.argsort(size[order], descending=True, stable=True)]
+    empty = size[order] < 0
+    top[:kept, TOP_VALUE] = torch.where(empty, float("nan"), value[order])
+    top[:kept, TOP_CHANNEL] = torch.where(empty, float("nan"), channel[order].double())
+    return top
+
+
+def merged_top(held: torch.Tensor, values: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+    """The top `(k, 2)` of the pairs `held` and of `values` with their `channels`, as `top_of`.
+
+    Examples:
+        >>> held = top_of(torch.tensor([5.0, 1.0], dtype=torch.float64), torch.tensor([0, 1]), 2)
+        >>> merged_top(held, torch.tensor([-7.0], dtype=torch.float64), torch.tensor([2])).tolist()
+        [[-7.0, 2.0], [5.0, 0.0]]
+    """
+    held_channels = held[:, TOP_CHANNEL].nan_to_num(0.0).long()
+    return top_of(
+        torch.cat((held[:, TOP_VALUE], values)), torch.cat((held_channels, channels)), len(held)
+    )
 
 
 def batch_stats(x: torch.Tensor, full: bool, near_zero: float) -> torch.Tensor:
@@ -228,13 +298,16 @@ def accumulate_stats_python(*args: object, **options: float) -> None:
         >>> b.stats[:, 0, 0].tolist()
         [2.0, 1.4142135381698608]
     """
-    x, state, stats, extra, hist, binades, _, order, clock, cursor, slot, *scalars = AccumulateArgs(
-        *args, **options
+    args = AccumulateArgs(*args, **options)
+    x, state, stats, extra, hist, binades, top, _, order, clock, cursor, slot = args[:12]
+    call = _merge_into_slot(
+        x, state, stats, extra, hist, cursor, slot, args.near_zero, args.hist_min, args.hist_max
     )
-    call = _merge_into_slot(x, state, stats, extra, hist, cursor, slot, *scalars)
     if call is not None and binades.numel() > 0:
         counts = binade_counts(x).to(torch.int32)
         binades[slot].index_add_(0, cursor.reshape(1), counts.unsqueeze(0))
+    if call is not None and top.numel() > 0:
+        _merge_top(x, top, cursor, slot, args.channel_dim)
     if call is not None and order.numel() > 0:
         note_call_order(order, clock, cursor, slot, call)
 
@@ -272,6 +345,22 @@ def _merge_into_slot(
         counts = histogram(x, hist.shape[2], hist_min, hist_max)
         hist[slot].index_add_(0, column, counts.unsqueeze(0))
     return call
+
+
+def _merge_top(
+    x: torch.Tensor, top: torch.Tensor, cursor: torch.Tensor, slot: int, channel_dim: int
+) -> None:
+    """The top pairs of x (`top_of`, channels along `channel_dim`) merged into the slot's."""
+    if x.dim() > 0 and not -x.dim() <= channel_dim < x.dim():
+        raise ValueError(
+            f"accumulate_stats: channel_dim must be in [{-x.dim()}, {x.dim()}) for x of shape "
+            f"{tuple(x.shape)}, got {channel_dim}"
+        )
+    values = x.detach().reshape(-1).double()
+    column = cursor.reshape(1)
+    held = top[slot].index_select(0, column)[0]
+    merged = merged_top(held, values, channel_of_each(x, channel_dim))
+    top[slot].index_copy_(0, column, merged.unsqueeze(0))
 
 
 def note_call_order(

@@ -284,7 +284,7 @@ def test_unknown_capability_is_refused():
 def test_argument_errors_name_the_argument():
     x = torch.randn(10)
     basic, full = _buffers(modules=2, capacity=4), _buffers(full=True, bins=3, capacity=4)
-    state, stats, extra, hist, binades, workspace, order, clock, cursor = basic.op_args()
+    state, stats, extra, hist, binades, top, workspace, order, clock, cursor = basic.op_args()
 
     def call(*args, lo=0.0, hi=1.0):
         ops.accumulate_stats(*args, 0.05, lo, hi)
@@ -296,33 +296,57 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(
         RuntimeError, match=r"state must be a contiguous float64 tensor .* got Float"
     ):
-        call(x, state.float(), stats, extra, hist, binades, workspace, order, clock, cursor, 0)
+        call(x, state.float(), stats, extra, hist, binades, top, workspace, order, clock, cursor, 0)
     with pytest.raises(
         RuntimeError,
         match=r"state must be .* of shape \(3 or 9, modules, batches\), got Double of shape "
         r"\[2, 2, 4\]",
     ):
-        call(x, state[:2], stats, extra, hist, binades, workspace, order, clock, cursor, 0)
+        call(x, state[:2], stats, extra, hist, binades, top, workspace, order, clock, cursor, 0)
     with pytest.raises(RuntimeError, match=r"stats must be a contiguous Float tensor of shape"):
-        call(x, state, stats[:, :, :2], extra, hist, binades, workspace, order, clock, cursor, 0)
+        call(
+            x, state, stats[:, :, :2], extra, hist, binades, top, workspace, order, clock, cursor, 0
+        )
     with pytest.raises(RuntimeError, match=r"extra must be a contiguous Float tensor of shape \[4"):
         call(
-            x, full.state, full.stats, extra, full.hist, binades, workspace, order, clock, cursor, 0
+            x,
+            full.state,
+            full.stats,
+            extra,
+            full.hist,
+            binades,
+            top,
+            workspace,
+            order,
+            clock,
+            cursor,
+            0,
         )
     with pytest.raises(RuntimeError, match=r"extra must be empty with a 3-plane state"):
-        call(x, state, stats, full.extra, hist, binades, workspace, order, clock, cursor, 0)
+        call(x, state, stats, full.extra, hist, binades, top, workspace, order, clock, cursor, 0)
     with pytest.raises(RuntimeError, match=r"hist must be a contiguous Long tensor of shape"):
-        call(x, *full.op_args()[:3], full.hist.int(), binades, workspace, order, clock, cursor, 0)
+        call(
+            x,
+            *full.op_args()[:3],
+            full.hist.int(),
+            binades,
+            top,
+            workspace,
+            order,
+            clock,
+            cursor,
+            0,
+        )
     with pytest.raises(RuntimeError, match="hist_min and hist_max must be finite"):
         call(x, *full.op_args(), 0, lo=1.0, hi=1.0)
     with pytest.raises(RuntimeError, match=r"3 bins over \[1e\+06, 1e\+06\] are narrower"):
         call(x, *full.op_args(), 0, lo=1e6, hi=1e6 + 1e-3)
     with pytest.raises(RuntimeError, match="cursor must be a one-element int64 tensor, got Int"):
-        call(x, state, stats, extra, hist, binades, workspace, order, clock, cursor.int(), 0)
+        call(x, state, stats, extra, hist, binades, top, workspace, order, clock, cursor.int(), 0)
     with pytest.raises(
         RuntimeError, match=r"order must be a contiguous Long tensor of shape \[2, 2, 4\]"
     ):
-        call(x, state, stats, extra, hist, binades, workspace, order[:, :1], clock, cursor, 0)
+        call(x, state, stats, extra, hist, binades, top, workspace, order[:, :1], clock, cursor, 0)
     with pytest.raises(RuntimeError, match="clock must be a one-element int64 tensor, got Long"):
         call(
             x,
@@ -331,6 +355,7 @@ def test_argument_errors_name_the_argument():
             extra,
             hist,
             binades,
+            top,
             workspace,
             order,
             torch.zeros(2, dtype=torch.long),
@@ -338,18 +363,74 @@ def test_argument_errors_name_the_argument():
             0,
         )
     with pytest.raises(RuntimeError, match="clock must be on the state's device cpu, got meta"):
-        call(x, state, stats, extra, hist, binades, workspace, order, clock.to("meta"), cursor, 0)
+        call(
+            x,
+            state,
+            stats,
+            extra,
+            hist,
+            binades,
+            top,
+            workspace,
+            order,
+            clock.to("meta"),
+            cursor,
+            0,
+        )
     with pytest.raises(RuntimeError, match="stats must be on the state's device cpu, got meta"):
-        call(x, state, stats.to("meta"), extra, hist, binades, workspace, order, clock, cursor, 0)
+        call(
+            x,
+            state,
+            stats.to("meta"),
+            extra,
+            hist,
+            binades,
+            top,
+            workspace,
+            order,
+            clock,
+            cursor,
+            0,
+        )
     for wrong in (torch.zeros(2, 4, 257, dtype=torch.int32), torch.zeros(2, 4, 258).long()):
         with pytest.raises(
             RuntimeError, match=r"binades must be a contiguous Int tensor of shape \[2, 4, 258\]"
         ):
-            call(x, state, stats, extra, hist, wrong, workspace, order, clock, cursor, 0)
+            call(x, state, stats, extra, hist, wrong, top, workspace, order, clock, cursor, 0)
+    for wrong in (torch.zeros(2, 4, 17, 2, dtype=torch.float64), torch.zeros(2, 4, 3, 2)):
+        with pytest.raises(
+            RuntimeError,
+            match=r"top must .*shape \(modules, batches, k, 2\)|top "
+            r"must be a contiguous Double tensor of shape \[2, 4, 3, 2\]",
+        ):
+            call(x, state, stats, extra, hist, binades, wrong, workspace, order, clock, cursor, 0)
+    topped = torch.full((2, 4, 3, 2), float("nan"), dtype=torch.float64)
+    with pytest.raises(
+        RuntimeError,
+        match=r"channel_dim must be in \[-1, 1\) for x of shape "
+        r"\[10\], got 1",
+    ):
+        ops.accumulate_stats(
+            x,
+            state,
+            stats,
+            extra,
+            hist,
+            binades,
+            topped,
+            workspace,
+            order,
+            clock,
+            cursor,
+            0,
+            channel_dim=1,
+        )
     with pytest.raises(RuntimeError, match=r"slot must be in \[0, 2\), got 2"):
         call(x, *basic.op_args(), 2)
     with pytest.raises(RuntimeError, match=r"cursor must be in \[0, 4\), got 4"):
-        call(x, state, stats, extra, hist, binades, workspace, order, clock, torch.tensor(4), 0)
+        call(
+            x, state, stats, extra, hist, binades, top, workspace, order, clock, torch.tensor(4), 0
+        )
     assert (state == 0).all() and (full.state == 0).all() and (full.hist == 0).all()
     assert (order == 0).all() and (full.order == 0).all()
 
@@ -471,7 +552,9 @@ def test_hundred_million_elements(backend):
 def test_the_python_declaration_of_the_arguments_is_the_schemas():
     schema = torch.ops.fasthooks.accumulate_stats.default._schema
     assert [a.name for a in schema.arguments] == list(AccumulateArgs._fields)
-    assert AccumulateArgs._field_defaults == {"near_zero": 0.05, "hist_min": 0.0, "hist_max": 10.0}
+    defaults = {"near_zero": 0.05, "hist_min": 0.0, "hist_max": 10.0, "channel_dim": -1}
+    assert AccumulateArgs._field_defaults == defaults
+    assert [a.default_value for a in schema.arguments[-4:]] == list(defaults.values())
 
 
 @FUSED

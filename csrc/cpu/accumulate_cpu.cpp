@@ -12,6 +12,7 @@
 #include "../binades.h"
 #include "../checks.h"
 #include "../dtype_dispatch.h"
+#include "../top.h"
 #include "capability.h"
 
 namespace fasthooks {
@@ -61,25 +62,97 @@ void count_binades(const T* p, int64_t n, int64_t* counts) {
   }
 }
 
+// A value's magnitude as the bits of its type with the sign cleared: magnitudes order as these
+// integers do, and a NaN's are above infinity's.
+template <typename T>
+auto magnitude_bits(T v) {
+  const auto bits = bits_of(v);
+  return static_cast<decltype(bits)>(bits & ~(decltype(bits){1} << (8 * sizeof bits - 1)));
+}
+template <typename T>
+auto infinity_bits() {
+  return magnitude_bits(std::numeric_limits<T>::infinity());
+}
+
+// A value as float64, exactly, and back: 16-bit values through float.
+template <typename T>
+double widened(T v) {
+  if constexpr (std::is_same_v<T, double>) {
+    return v;
+  } else {
+    return static_cast<float>(v);
+  }
+}
+template <typename T>
+T narrowed(double v) {
+  if constexpr (std::is_same_v<T, double>) {
+    return v;
+  } else {
+    return static_cast<T>(static_cast<float>(v));
+  }
+}
+
+// Offers the n values at p (positions start.. of the tensor in memory order) to a list of k top
+// pairs. Once the list is full, a value can enter only with a magnitude at least its last's: a
+// block of values below that is passed over on the largest of their magnitudes' bits, a loop the
+// compiler vectorises.
+template <typename T>
+void offer_values(const T* p, int64_t start, int64_t n, const ChannelMap& map, TopPair* list,
+                  int k) {
+  using Bits = decltype(magnitude_bits(T{}));
+  constexpr int64_t kBlock = 64;
+  const Bits nan_from = infinity_bits<T>() + 1;
+  auto floor_of = [&] {
+    const double last = list[k - 1].value;
+    return last == last ? magnitude_bits(narrowed<T>(last)) : Bits{0};
+  };
+  Bits floor = floor_of();
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const int64_t m = n - i < kBlock ? n - i : kBlock;
+    Bits largest = 0;
+    for (int64_t j = 0; j < m; ++j) {
+      const Bits b = magnitude_bits(p[i + j]);
+      largest = b > largest ? b : largest;
+    }
+    if (largest < floor) continue;
+    for (int64_t j = 0; j < m; ++j) {
+      const Bits b = magnitude_bits(p[i + j]);
+      if (b < floor || b >= nan_from) continue;
+      offer_top(list, k, {widened(p[i + j]), static_cast<double>(map.channel(start + i + j))});
+      floor = floor_of();
+    }
+  }
+}
+
+// An empty list of top pairs.
+void clear_top(TopPair* list, int k) {
+  for (int i = 0; i < k; ++i)
+    list[i] = {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN()};
+}
+
 // Where a chunk counts beside its statistics: its bins into lane rows (null without a histogram),
-// its binades into kBinadeBins counters (null without them).
+// its binades into kBinadeBins counters (null without them), its top values into a list of
+// top_k pairs (null without them).
 struct ChunkCounts {
   uint32_t* rows;
   int64_t* binades;
+  TopPair* top;
 };
 
 // Statistics of n values taken a chunk at a time: chunk(start, length, counts) gives those of
-// values [start, start + length) and counts their bins and binades (ChunkCounts). `counts` and
-// `binades` receive the totals (each empty when not kept).
+// values [start, start + length) and counts their bins, binades and top values (ChunkCounts).
+// `counts`, `binades` and `top` receive the totals (each empty when not kept).
 template <bool Full, typename Chunk>
 Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_t>& counts,
-                    std::vector<int64_t>& binades) {
+                    std::vector<int64_t>& binades, std::vector<TopPair>& top) {
   const size_t rows_size = hist ? kHistLanes * (counts.size() + 1) : 0;
   const bool binned = !binades.empty();
+  const int k = static_cast<int>(top.size());
   if (n <= kChunk) {  // a hook's typical call: no thread hand-off
     std::vector<uint32_t> rows(rows_size);
-    const Stats s =
-        chunk(0, n, ChunkCounts{hist ? rows.data() : nullptr, binned ? binades.data() : nullptr});
+    const Stats s = chunk(0, n,
+                          ChunkCounts{hist ? rows.data() : nullptr,
+                                      binned ? binades.data() : nullptr, k ? top.data() : nullptr});
     if (hist) flush_rows(rows, counts);
     return s;
   }
@@ -90,7 +163,10 @@ Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_
     std::vector<uint32_t> rows(rows_size);
     std::vector<int64_t> local(counts.size());
     std::vector<int64_t> local_binades(binades.size());
-    const ChunkCounts own{hist ? rows.data() : nullptr, binned ? local_binades.data() : nullptr};
+    TopPair local_top[kMaxTopK];
+    clear_top(local_top, k);
+    const ChunkCounts own{hist ? rows.data() : nullptr, binned ? local_binades.data() : nullptr,
+                          k ? local_top : nullptr};
     for (int64_t c = begin; c < end; ++c) {
       const int64_t start = c * kChunk;
       parts[c] = chunk(start, n - start < kChunk ? n - start : kChunk, own);
@@ -98,10 +174,12 @@ Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_
         flush_rows(rows, local);
       }
     }
-    if (hist || binned) {
+    if (hist || binned || k) {
       const std::lock_guard<std::mutex> lock(counts_mutex);
-      for (size_t k = 0; k < counts.size(); ++k) counts[k] += local[k];
-      for (size_t k = 0; k < binades.size(); ++k) binades[k] += local_binades[k];
+      for (size_t j = 0; j < counts.size(); ++j) counts[j] += local[j];
+      for (size_t j = 0; j < binades.size(); ++j) binades[j] += local_binades[j];
+      // The order is total, so the merged list does not depend on which thread comes first.
+      for (int j = 0; j < k; ++j) offer_top(top.data(), k, local_top[j]);
     }
   });
   // Merged in chunk order, so the result does not depend on the number of threads.
@@ -117,7 +195,8 @@ template <bool Full, typename T, typename Acc>
 Stats merge_into_slot(const T* p, const T* base, int64_t n, ChunkFn<T, Acc> kernel,
                       ChunkFn<Acc, Acc> difference_kernel, const ChunkParams<Acc>& params,
                       std::vector<int64_t>& counts, std::vector<int64_t>& binades,
-                      const SlotPointers& slot) {
+                      std::vector<TopPair>& top, const ChannelMap& map, const SlotPointers& slot) {
+  const int k = static_cast<int>(top.size());
   const bool hist = params.bins != nullptr;
   Stats batch;
   if (base == nullptr) {
@@ -126,9 +205,10 @@ Stats merge_into_slot(const T* p, const T* base, int64_t n, ChunkFn<T, Acc> kern
         [&](int64_t start, int64_t length, const ChunkCounts& to) {
           const Stats s = kernel(p + start, length, params, to.rows);
           if (to.binades != nullptr) count_binades(p + start, length, to.binades);
+          if (to.top != nullptr) offer_values(p + start, start, length, map, to.top, k);
           return s;
         },
-        counts, binades);
+        counts, binades, top);
   } else {
     batch = chunked_stats<Full>(
         n, hist,
@@ -139,7 +219,7 @@ Stats merge_into_slot(const T* p, const T* base, int64_t n, ChunkFn<T, Acc> kern
           }
           return difference_kernel(difference.data(), length, params, to.rows);
         },
-        counts, binades);
+        counts, binades, top);
   }
   store_slot<Full>(slot, merge<Full>(load_slot<Full>(slot), batch));
   return batch;
@@ -186,11 +266,13 @@ struct Destination {
   SlotPointers slot;
   int64_t hist_offset;
   int32_t* binades;  // the slot's row, null without binades
+  TopPair* top;      // the slot's top_k pairs, null without them
+  int top_k;
 };
 
 Destination destination(const Tensor& state, const Tensor& stats, const Tensor& extra,
-                        const Tensor& hist, const Tensor* binades, const Tensor& cursor,
-                        int64_t slot, bool full) {
+                        const Tensor& hist, const Tensor* binades, const Tensor* top,
+                        const Tensor& cursor, int64_t slot, bool full) {
   const int64_t column = *static_cast<const int64_t*>(cursor.const_data_ptr());
   const int64_t batches = state.size(2);
   FASTHOOKS_CHECK(column >= 0 && column < batches, "accumulate_stats: cursor must be in [0, ",
@@ -204,14 +286,20 @@ Destination destination(const Tensor& state, const Tensor& stats, const Tensor& 
       binades != nullptr && binades->numel() > 0
           ? static_cast<int32_t*>(binades->mutable_data_ptr()) + cell * kBinadeBins
           : nullptr;
-  return {at, hist.numel() > 0 ? cell * hist.size(2) : 0, binade_row};
+  const int top_k = top != nullptr && top->numel() > 0 ? static_cast<int>(top->size(2)) : 0;
+  TopPair* top_row =
+      top_k > 0
+          ? reinterpret_cast<TopPair*>(static_cast<double*>(top->mutable_data_ptr())) + cell * top_k
+          : nullptr;
+  return {at, hist.numel() > 0 ? cell * hist.size(2) : 0, binade_row, top_row, top_k};
 }
 
 // Returns the call's own statistics.
 template <typename T, typename Acc>
 Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const (&kernels)[2],
                  ChunkFn<Acc, Acc> const (&difference_kernels)[2], bool full, const Destination& to,
-                 double near_zero, const Tensor& hist, double hist_min, double hist_max) {
+                 double near_zero, const Tensor& hist, double hist_min, double hist_max,
+                 const ChannelMap& map) {
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
   std::vector<Acc> lower;  // empty, and no allocation, without a histogram
   for (int64_t k = 0; bins > 0 && k <= bins; ++k) {
@@ -224,14 +312,16 @@ Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const 
       bins > 0 ? exact_origin(table, hist_min, hist_max) : kNoExactOrigin};
   std::vector<int64_t> counts(bins);
   std::vector<int64_t> binades(to.binades != nullptr ? kBinadeBins : 0);
+  std::vector<TopPair> top(to.top_k);
+  clear_top(top.data(), to.top_k);
   const T* p = static_cast<const T*>(dense.const_data_ptr());
   const T* b = base != nullptr ? static_cast<const T*>(base->const_data_ptr()) : nullptr;
   const int f = full ? 1 : 0;
   const Stats call =
       full ? merge_into_slot<true>(p, b, dense.numel(), kernels[f], difference_kernels[f], params,
-                                   counts, binades, to.slot)
+                                   counts, binades, top, map, to.slot)
            : merge_into_slot<false>(p, b, dense.numel(), kernels[f], difference_kernels[f], params,
-                                    counts, binades, to.slot);
+                                    counts, binades, top, map, to.slot);
   int64_t* row =
       bins > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) + to.hist_offset : nullptr;
   for (int64_t k = 0; k < bins; ++k) row[k] += counts[k];
@@ -240,6 +330,7 @@ Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const 
     to.binades[k] = static_cast<int32_t>(static_cast<uint32_t>(to.binades[k]) +
                                          static_cast<uint32_t>(binades[k]));
   }
+  for (const TopPair& pair : top) offer_top(to.top, to.top_k, pair);
   return call;
 }
 
@@ -261,14 +352,15 @@ const auto& difference_kernels_of(const ChunkKernels& k, DtypeTag<T>) {
 // (slot, cursor); returns the call's own (none for an empty tensor).
 Stats accumulate_one(const Tensor& dense, const Tensor* base, const Tensor& state,
                      const Tensor& stats, const Tensor& extra, const Tensor& hist,
-                     const Tensor* binades, const Tensor& cursor, int64_t slot, bool full,
-                     double near_zero, double hist_min, double hist_max) {
-  const Destination to = destination(state, stats, extra, hist, binades, cursor, slot, full);
+                     const Tensor* binades, const Tensor* top, const ChannelMap& map,
+                     const Tensor& cursor, int64_t slot, bool full, double near_zero,
+                     double hist_min, double hist_max) {
+  const Destination to = destination(state, stats, extra, hist, binades, top, cursor, slot, full);
   if (dense.numel() == 0) return {};
   const ChunkKernels& k = cpu_kernels();
   return dispatch_dtype(dtype_of(dense), [&](auto tag) {
     return accumulate(dense, base, kernels_of(k, tag), difference_kernels_of(k, tag), full, to,
-                      near_zero, hist, hist_min, hist_max);
+                      near_zero, hist, hist_min, hist_max, map);
   });
 }
 
@@ -291,14 +383,17 @@ void note_order(const Tensor& order, const Tensor& clock, const Tensor& cursor, 
 
 void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& stats,
                           const Tensor& extra, const Tensor& hist, const Tensor& binades,
-                          const Tensor& workspace, const Tensor& order, const Tensor& clock,
-                          const Tensor& cursor, int64_t slot, double near_zero, double hist_min,
-                          double hist_max) {
+                          const Tensor& top, const Tensor& workspace, const Tensor& order,
+                          const Tensor& clock, const Tensor& cursor, int64_t slot, double near_zero,
+                          double hist_min, double hist_max, int64_t channel_dim) {
   const bool full = check_accumulate_args(x, state, stats, extra, hist, &binades, workspace, cursor,
                                           slot, hist_min, hist_max);
+  check_top(top, x, state, channel_dim);
   const bool ordered = check_call_order(order, clock, state);
-  const Stats call = accumulate_one(dense_values(x), nullptr, state, stats, extra, hist, &binades,
-                                    cursor, slot, full, near_zero, hist_min, hist_max);
+  const Tensor dense = dense_values(x);
+  const Stats call = accumulate_one(dense, nullptr, state, stats, extra, hist, &binades, &top,
+                                    channel_map(dense, channel_dim), cursor, slot, full, near_zero,
+                                    hist_min, hist_max);
   if (ordered && call.count > 0) note_order(order, clock, cursor, slot, full, call);
 }
 
@@ -310,8 +405,8 @@ void accumulate_stats_list_cpu(std::vector<Tensor> xs, std::vector<Tensor> bases
       check_list(xs, bases, state, stats, extra, hist, workspace, cursor, hist_min, hist_max);
   for (size_t i = 0; i < list.xs.size(); ++i) {
     accumulate_one(list.xs[i], list.bases.empty() ? nullptr : &list.bases[i], state, stats, extra,
-                   hist, nullptr, cursor, static_cast<int64_t>(i), list.full, near_zero, hist_min,
-                   hist_max);
+                   hist, nullptr, nullptr, ChannelMap{1, 1}, cursor, static_cast<int64_t>(i),
+                   list.full, near_zero, hist_min, hist_max);
   }
 }
 

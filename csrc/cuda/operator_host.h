@@ -107,11 +107,15 @@ struct OperatorHost {
 
   static void accumulate_stats(const Tensor& x, const Tensor& state, const Tensor& stats,
                                const Tensor& extra, const Tensor& hist, const Tensor& binades,
-                               const Tensor& workspace, const Tensor& order, const Tensor& clock,
-                               const Tensor& cursor, int64_t slot, double near_zero,
-                               double hist_min, double hist_max) {
+                               const Tensor& top, const Tensor& workspace, const Tensor& order,
+                               const Tensor& clock, const Tensor& cursor, int64_t slot,
+                               double near_zero, double hist_min, double hist_max,
+                               int64_t channel_dim) {
     const bool full = check_accumulate_args(x, state, stats, extra, hist, &binades, workspace,
                                             cursor, slot, hist_min, hist_max);
+    check_top(top, x, state, channel_dim);
+    FASTHOOKS_CHECK(top.numel() == 0,
+                    "accumulate_stats: top_k is not computed by the CUDA kernels yet");
     const bool ordered = check_call_order(order, clock, state);
     const int device = x.get_device_index();
     const typename Device::Guard guard(device);
