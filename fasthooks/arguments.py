@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .layout import ALL_EXTRAS, MAX_HIST_BINS
+from .layout import ALL_EXTRAS, MAX_HIST_BINS, MAX_TOP_K
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -84,6 +84,39 @@ def check_hist(hist_bins: Any, hist_range: Any) -> tuple[int, float, float]:
             "range's magnitude, finer than float32 activations resolve"
         )
     return int(hist_bins), lo, hi
+
+
+def check_top_k(top_k: Any) -> int:
+    """`top_k=` as an int in [0, MAX_TOP_K] (0: off)."""
+    k = count_argument(top_k, "top_k", 0)
+    if k > MAX_TOP_K:
+        raise ValueError(f"top_k must be in [0, {MAX_TOP_K}], got {k}")
+    return k
+
+
+def default_channel_dim(dims: int) -> int:
+    """The channel dimension of an output of `dims` dimensions: dim 1 of a 4-D or 5-D one (NCHW
+    and NCDHW, whatever their memory format), else the last.
+
+    Examples:
+        >>> default_channel_dim(4), default_channel_dim(3), default_channel_dim(2)
+        (1, -1, -1)
+    """
+    return 1 if dims in (4, 5) else -1
+
+
+def check_channel_dim(channel_dim: Any) -> int | dict[str, int] | None:
+    """`channel_dim=` as given: None (`default_channel_dim` for every module), an int for every
+    module, or a mapping of module names to ints (the others by default)."""
+    if channel_dim is None:
+        return None
+    if isinstance(channel_dim, dict):
+        for name, dim in channel_dim.items():
+            if not isinstance(name, str):
+                raise TypeError(f"channel_dim: keys must be module names, got {name!r}")
+            count_argument(dim, f"channel_dim[{name!r}]", -(2**31))
+        return {name: int(dim) for name, dim in channel_dim.items()}
+    return count_argument(channel_dim, "channel_dim", -(2**31))
 
 
 def check_near_zero(near_zero: Any) -> float:

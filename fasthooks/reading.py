@@ -11,7 +11,7 @@ import torch
 
 from .arguments import module_position
 from .formats import FormatFit, format_fit
-from .layout import STATS_PLANES
+from .layout import STATS_PLANES, TOP_CHANNEL, TOP_VALUE
 
 if TYPE_CHECKING:
     from .column_store import ColumnStore
@@ -20,7 +20,24 @@ if TYPE_CHECKING:
 class Reading:
     """What reading needs from a recording (`stats`, `extra`, `hist`, `batches`, `num_batches`,
     `module_names`, `module_types`, `call_order`, `nonfinite_ranks`, `kind`, `recorder`,
-    `is_forward`, `extra_names`, `hist_bins`, `hist_min`, `hist_max`), and all it derives."""
+    `is_forward`, `extra_names`, `hist_bins`, `hist_min`, `hist_max`, and with `top_k > 0`
+    `top`), and all it derives."""
+
+    top_k = 0
+
+    @property
+    def top_values(self) -> torch.Tensor:
+        """`(rows, batches, top_k)` float64 CPU: the values of largest magnitude, signed, the
+        largest first (of equal magnitude the positive one, then the lower channel); NaN where a
+        slot held fewer values that were not NaN. Only with `top_k > 0`."""
+        return self.top[..., TOP_VALUE]
+
+    @property
+    def top_channels(self) -> torch.Tensor:
+        """`(rows, batches, top_k)` int64 CPU: the channel of each of `top_values` along the
+        module's `channel_dim`; -1 where there is no value."""
+        channels = self.top[..., TOP_CHANNEL]
+        return torch.where(channels.isnan(), -1.0, channels).long()
 
     @property
     def metric_prefix(self) -> str:
@@ -53,13 +70,16 @@ class Reading:
 
     def planes(self) -> dict[str, torch.Tensor]:
         """Every recorded statistic as a `(rows, batches)` CPU tensor, by name: "mean", "std",
-        each extra, and with the "binades" extra the low-precision fit of `FIT_PLANES` (the
-        table, the pictures, TensorBoard and the summary read these)."""
+        each extra, with the "binades" extra the low-precision fit of `FIT_PLANES`, and with
+        `top_k > 0` the largest value of `TOP_PLANES` (the table, the pictures, TensorBoard and
+        the summary read these)."""
         stats = self.stats
         planes = {name: stats[i] for i, name in enumerate(STATS_PLANES)}
         planes.update(self.extra)
         if "binades" in self.extra_names:
             planes.update(fit_planes(self))
+        if self.top_k:
+            planes.update(top_planes(self, planes))
         return planes
 
     def format_fit(self, fmt: str, scaling: str | int = "amax") -> FormatFit:
@@ -115,7 +135,9 @@ class Reading:
         """The `top` rows that look worst, most severe first, each with what was found and the
         batch where it began: non-finite values; dead units (near-zero fraction at least 0.99,
         or no spread, over the last `window` batches); std exploding or collapsing (10x against
-        the row's own first batches); kurtosis spikes; with the "binades" extra, values that
+        the row's own first batches); kurtosis spikes; with `top_k > 0`, massive activations (a
+        largest magnitude at least 100x the row's RMS over the last `window` batches, with the
+        channels it was in); with the "binades" extra, values that
         would underflow in fp8 (at least 1% below the smallest subnormal of fp8_e4m3, or of
         fp8_e5m2 for gradients, with amax scaling). A `Summary`: printable as a table,
         `.to_dataframe()` for pandas, iterable over its `Finding`s."""
@@ -171,6 +193,23 @@ def fit_planes(reading: Reading) -> dict[str, torch.Tensor]:
         "dynamic_range": e4m3.dynamic_range,
         "fp8_e4m3_underflow": e4m3.underflow,
         "fp8_e5m2_underflow": e5m2.underflow,
+    }
+
+
+# What `top_k` adds to every reading's statistics: the value of largest magnitude, its channel,
+# and its magnitude over the root mean square of all values, sqrt(mean^2 + std^2) (a massive
+# activation stands 100 times above it, or more).
+TOP_PLANES = ("top_value", "top_channel", "top_to_rms")
+
+
+def top_planes(reading: Reading, planes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`TOP_PLANES` of a reading that recorded top values, beside its mean and std `planes`."""
+    value = reading.top_values[..., 0].float()
+    rms = (planes["mean"].square() + planes["std"].square()).sqrt()
+    return {
+        "top_value": value,
+        "top_channel": reading.top_channels[..., 0],
+        "top_to_rms": value.abs() / rms,
     }
 
 

@@ -12,12 +12,15 @@ from torch import nn
 
 from . import checkpoint
 from .arguments import (
+    check_channel_dim,
     check_extra,
     check_hist,
     check_near_zero,
     check_sink,
+    check_top_k,
     check_window,
     count_argument,
+    default_channel_dim,
     uncompiled_name,
 )
 from .buffers import StatBuffers
@@ -144,6 +147,13 @@ class ActivationStats(HookCallback, Reading):
         is_forward: False records the statistics of each module's output gradient.
         skip_frozen: True leaves out modules in eval mode inside a training model (frozen
             layers), which are recorded by default.
+        top_k: keep, per module and batch, the k values of largest magnitude (signed) and their
+            channels, k up to 16 (default 0: none); read as `act.top_values` and
+            `act.top_channels`, `(modules, batches, k)`.
+        channel_dim: the dimension `top_k` names channels along: None (default) takes dim 1 of
+            a 4-D or 5-D output (NCHW, NCDHW, whatever the memory format) and the last dim of
+            any other; an int for every module; or a dict of module names to dims (the rest by
+            default).
         on_nonfinite: what to do when a recorded call held a NaN or an infinity: None (default:
             nothing; `first_nonfinite()` still tells), "warn" (once), "raise"
             (`NonFiniteError` from `on_batch_end`) or a callable, called once with the
@@ -180,6 +190,8 @@ class ActivationStats(HookCallback, Reading):
         on_nonfinite: Any = None,
         window: int | None = None,
         sink: Any = None,
+        top_k: int = 0,
+        channel_dim: int | dict[str, int] | None = None,
     ) -> None:
         super().__init__(model, modules, do_remove, is_forward)
         expected_batches = count_argument(expected_batches, "expected_batches", 1)
@@ -197,6 +209,9 @@ class ActivationStats(HookCallback, Reading):
         self.extra_names = check_extra(extra)
         self.near_zero = check_near_zero(near_zero)
         self.hist_bins, self.hist_min, self.hist_max = check_hist(hist_bins, hist_range)
+        self.top_k = check_top_k(top_k)
+        self.channel_dim = check_channel_dim(channel_dim)
+        self._channel_dims: list[int | None] = []  # by slot: None takes default_channel_dim
         # The operator's arguments after the slot, the same on every call.
         self._options = (self.near_zero, self.hist_min, self.hist_max)
         self._slots: dict[nn.Module, int] = {}
@@ -243,6 +258,7 @@ class ActivationStats(HookCallback, Reading):
                 stacklevel=2,
             )
         slots = self._check_unique(modules)
+        channel_dims = self._slot_channel_dims(modules)
         device = _buffer_device(self.model, modules)
         # A model without parameters or buffers: the buffers follow its first hooked output.
         self._device_pending = device is None
@@ -258,6 +274,7 @@ class ActivationStats(HookCallback, Reading):
             torch.cuda.current_stream(device).synchronize()
         super().on_train_begin(**kwargs)
         self._slots, self._store = slots, store
+        self._channel_dims = channel_dims
         self._args = store.buffers[self.kind].op_args()
         self._warned = set()
         self._pieces = LocalPieces("ActivationStats", parameters=False)
@@ -276,6 +293,21 @@ class ActivationStats(HookCallback, Reading):
         if self.sink is not None:
             store.start_sink(self.sink, self._sink_description(), resume, self._sink_origin)
 
+    def _slot_channel_dims(self, modules: list[nn.Module]) -> list[int | None]:
+        """The `channel_dim` of each slot (None: by the output's dimensions); names the
+        `channel_dim` dict gives that no hooked module has are refused."""
+        if not isinstance(self.channel_dim, dict):
+            return [self.channel_dim] * len(modules)
+        names = {m: uncompiled_name(n) for n, m in self.model.named_modules() if n}
+        slot_names = [names.get(m, type(m).__name__) for m in modules]
+        unknown = sorted(set(self.channel_dim) - set(slot_names))
+        if unknown:
+            raise ValueError(
+                f"channel_dim names modules that are not hooked: {unknown}; hooked modules: "
+                f"{slot_names}"
+            )
+        return [self.channel_dim.get(name) for name in slot_names]
+
     def _new_store(
         self, rows: int, device: torch.device, resume: dict[str, Any] | None = None
     ) -> ColumnStore:
@@ -290,6 +322,7 @@ class ActivationStats(HookCallback, Reading):
             self.hist_bins,
             resume_batches=n,
             binades="binades" in self.extra_names,
+            top_k=self.top_k,
         )
         if resume is not None:
             store.restore(resume)
@@ -308,6 +341,8 @@ class ActivationStats(HookCallback, Reading):
             "hist_range": [self.hist_min, self.hist_max],
             "every": self.every,
             "window": self.window,
+            "top_k": self.top_k,
+            "channel_dim": self.channel_dim,
         }
 
     def _sink_description(self) -> dict[str, Any]:
@@ -414,7 +449,12 @@ class ActivationStats(HookCallback, Reading):
             self._adopt_device(x.device)
         if type(x) is not torch.Tensor or self._pieces.pending:  # a DTensor: its local piece
             x = self._pieces.local(x, slot, lambda: self._name(m))
-        self._accumulate(x.detach(), *self._args, slot, *self._options)
+        if self.top_k:
+            dim = self._channel_dims[slot]
+            dim = default_channel_dim(x.dim()) if dim is None else dim
+            self._accumulate(x.detach(), *self._args, slot, *self._options, dim)
+        else:
+            self._accumulate(x.detach(), *self._args, slot, *self._options)
 
     def _adopt_device(self, device: torch.device) -> None:
         """Move the still empty buffers to the device of the first hooked output (a model
@@ -659,6 +699,16 @@ class ActivationStats(HookCallback, Reading):
         if self._buffers is None:
             return torch.zeros(len(self.modules or ()), 0, BINADE_BINS, dtype=torch.int32)
         return self._read("binades")
+
+    @property
+    def top(self) -> torch.Tensor:
+        """`(modules, batches, top_k, 2)` float64 CPU (value, channel) pairs, largest magnitude
+        first (`top_values` and `top_channels` read them); only with `top_k > 0`."""
+        if not self.top_k:
+            raise AttributeError("top values are recorded only with top_k > 0")
+        if self._buffers is None:
+            return torch.zeros(len(self.modules or ()), 0, self.top_k, 2, dtype=torch.float64)
+        return self._read("top")
 
     def _largest_magnitude(self) -> torch.Tensor:
         if self._store is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -18,6 +19,7 @@ KINDS = (
     "std exploding",
     "std collapsing",
     "kurtosis spike",
+    "massive activation",
     "would underflow in fp8",
 )
 DEAD_FRACTION = 0.99
@@ -26,6 +28,9 @@ STD_FACTOR = 10.0
 # A kurtosis this many times its module's median, and at least SPIKE_FLOOR (3 is normal).
 SPIKE_FACTOR = 10.0
 SPIKE_FLOOR = 30.0
+# With top_k: a largest magnitude this many times the module's root mean square over the last
+# batches (Sun et al. 2024 see about 10^4 in large language models).
+MASSIVE_FACTOR = 100.0
 # With the "binades" extra: this fraction of a module's values (the median over the last batches)
 # below the smallest subnormal of fp8_e4m3 (outputs) or fp8_e5m2 (gradients), amax-scaled.
 UNDERFLOW_FRACTION = 0.01
@@ -166,7 +171,31 @@ def _fp8_underflow(stats: dict[str, torch.Tensor], window: int, forward: bool) -
         f"{typical:.1%} of values below {fmt}'s smallest subnormal with amax scaling (median of "
         f"the last {len(seen)} batches); dynamic range {spread:.0f} binades"
     )
-    return [((4, -typical), "would underflow in fp8", began, detail)]
+    return [((5, -typical), "would underflow in fp8", began, detail)]
+
+
+def _massive(stats: dict[str, torch.Tensor], window: int) -> list[Found]:
+    ratio = stats.get("top_to_rms")
+    if ratio is None:
+        return []
+    seen = ratio.isfinite().nonzero().flatten()[-window:]
+    if len(seen) == 0:
+        return []
+    top = stats["top_value"][seen].abs().double()
+    rms = math.sqrt(
+        float((stats["mean"][seen].double() ** 2 + stats["std"][seen].double() ** 2).mean())
+    )
+    factor = float(top.max()) / rms
+    if not factor >= MASSIVE_FACTOR:
+        return []
+    began = _first(ratio >= MASSIVE_FACTOR)
+    channels = Counter(stats["top_channel"][seen].tolist()).most_common(3)
+    on_top = ", ".join(f"channel {c} ({n} of {len(seen)} batches)" for c, n in channels)
+    detail = (
+        f"largest magnitude {float(top.max()):.3g}, {factor:.3g}x the RMS ({rms:.3g}) over the "
+        f"last {len(seen)} batches; largest in {on_top}"
+    )
+    return [((4, -factor), "massive activation", int(seen[0]) if began is None else began, detail)]
 
 
 def module_findings(
@@ -180,7 +209,7 @@ def module_findings(
     found += _std_drift(stats["std"], window)
     if "kurtosis" in stats:
         found += _kurtosis_spikes(stats["kurtosis"])
-    found += _fp8_underflow(stats, window, forward)
+    found += _massive(stats, window) + _fp8_underflow(stats, window, forward)
     return sorted(found)
 
 
