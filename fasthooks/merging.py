@@ -22,6 +22,7 @@ from .distributed import (
     union_of_ranks,
 )
 from .dtensors import Piece
+from .layout import TOP_CHANNEL, TOP_VALUE
 from .moments import finalise
 
 _NONE = torch.iinfo(torch.int64).max  # the order key of a slot with no non-finite value
@@ -366,6 +367,13 @@ def _reduce_columns(
         if getattr(b, counted).numel() > 0:
             counts = torch.where(contributes[..., None], chosen.take(getattr(b, counted), 1), 0)
             chosen.put(getattr(b, counted), 1, chosen.reduced(counts, 0, _all_reduce(group)))
+    if b.top.numel() > 0:
+        top = torch.where(contributes[..., None, None], chosen.take(b.top, 1), float("nan"))
+        chosen.put(
+            b.top,
+            1,
+            _reduce_top(top, lambda t, op=None: chosen.reduced(t, 0, _all_reduce(group, op))),
+        )
     if not b.ordered:
         return winners
     first, count = chosen.take(b.order, 2)
@@ -378,6 +386,50 @@ def _reduce_columns(
     first = torch.where(key == _NONE, 0, key // world + 1)
     chosen.put(b.order, 2, torch.stack([first, torch.where(counted, count, -1)]))
     return torch.where(key == _NONE, winners, key % world)
+
+
+def _reduce_top(top: torch.Tensor, reduce: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """The k pairs of largest rank (`moments.top_of`'s order) of the union of every rank's
+    `top` `(rows, columns, k, 2)`, on every rank, in 3k reductions of `(rows, columns)`: each
+    round takes the best pair left on any rank (its magnitude, then its sign and channel), with
+    as many copies as the ranks hold of it together."""
+    import torch.distributed as dist
+
+    k = top.shape[-2]
+    values, channels = top[..., TOP_VALUE], top[..., TOP_CHANNEL]
+    negative = values.signbit()
+    place = torch.arange(k, device=top.device)
+    merged = torch.full_like(top, float("nan"))
+    taken = torch.zeros(top.shape[:2], dtype=torch.int64, device=top.device)  # by this rank
+    filled = torch.zeros_like(taken)
+    low_bits = (1 << 32) - 1
+    for _ in range(k):
+        at = taken.clamp(max=k - 1)[..., None]
+        value = torch.where(taken < k, values.gather(2, at)[..., 0], float("nan"))
+        channel = channels.gather(2, at)[..., 0].nan_to_num(0.0).long()
+        magnitude = torch.where(value.isnan(), -1.0, value.abs())
+        best = reduce(magnitude.clone(), dist.ReduceOp.MAX)
+        key = (~value.signbit()).long() << 32 | (low_bits - channel)
+        key = reduce(torch.where(magnitude == best, key, -1), dist.ReduceOp.MAX)
+        positive = (key >> 32) == 1
+        win_value = torch.where(positive, best, -best)
+        win_channel = (low_bits - (key & low_bits)).double()
+        same = (
+            (values == win_value[..., None])
+            & (negative == ~positive[..., None])
+            & (channels == win_channel[..., None])
+            & (place >= taken[..., None])
+        )
+        copies = same.sum(-1)
+        total = torch.where(best >= 0, reduce(copies.clone()), 0)
+        fill = (place >= filled[..., None]) & (place < (filled + total)[..., None])
+        merged[..., TOP_VALUE] = torch.where(fill, win_value[..., None], merged[..., TOP_VALUE])
+        merged[..., TOP_CHANNEL] = torch.where(
+            fill, win_channel[..., None], merged[..., TOP_CHANNEL]
+        )
+        filled = (filled + total).clamp(max=k)
+        taken += copies
+    return merged
 
 
 def _note_holders(

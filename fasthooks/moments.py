@@ -163,6 +163,27 @@ def merged_top(held: torch.Tensor, values: torch.Tensor, channels: torch.Tensor)
     )
 
 
+def merged_top_pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The top `(..., k, 2)` of each slot of two sets of top pairs `(..., k, 2)` together, in
+    `top_of`'s order (every slot at once: sorted on the last axis but one).
+
+    Examples:
+        >>> a = torch.tensor([[[2.0, 0.0], [1.0, 5.0]]], dtype=torch.float64)
+        >>> b = torch.tensor([[[-2.0, 1.0], [float("nan"), float("nan")]]], dtype=torch.float64)
+        >>> merged_top_pairs(a, b)[0].tolist()
+        [[2.0, 0.0], [-2.0, 1.0]]
+    """
+    pairs = torch.cat((a, b), dim=-2)
+    values, channels = pairs[..., TOP_VALUE], pairs[..., TOP_CHANNEL]
+    magnitude = torch.where(values.isnan(), -1.0, values.abs())
+    order = torch.argsort(channels.nan_to_num(0.0), dim=-1, stable=True)
+    for key, descending in ((values.signbit(), False), (magnitude, True)):
+        taken = key.gather(-1, order).to(torch.float64)
+        order = order.gather(-1, torch.argsort(taken, dim=-1, descending=descending, stable=True))
+    k = a.shape[-2]
+    return pairs.gather(-2, order[..., :k, None].expand(*order.shape[:-1], k, 2))
+
+
 def batch_stats(x: torch.Tensor, full: bool, near_zero: float) -> torch.Tensor:
     """The float64 state planes of the values of a non-empty x (all planes, or the first three).
 

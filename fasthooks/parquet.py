@@ -4,10 +4,12 @@ that `pandas.read_parquet(folder)` reads without fasthooks.
 Columns: `batch` (int64: the training batch, or optimizer step), `name` (the module or
 parameter), `kind` ("forward", "backward", "weight", "grad", "update"), `stat` ("mean", "std",
 each extra, "count": the elements recorded, "hist": one row per bin, "binades": one row per bin of
-`layout.BINADE_NAMES`, "first_nonfinite_call" and "nonfinite_in_call": the call order, only for
-calls that held a NaN or an infinity), `bin` (int32: the bin of a "hist" or "binades" row, else
-null) and `value` (float64). Each file's schema
-metadata keeps the run's settings under the key "fasthooks".
+`layout.BINADE_NAMES`, "top_value" and "top_channel": with `top_k`, one row per place of the
+k values of largest magnitude (place 0 the largest), "first_nonfinite_call" and
+"nonfinite_in_call": the call order, only for calls that held a NaN or an infinity), `bin`
+(int32: the bin of a "hist" or "binades" row, the place of a "top_value" or "top_channel" row,
+else null) and `value` (float64). Each file's schema metadata keeps the run's settings under the
+key "fasthooks".
 
 Format 2 keeps each slot's float64 merge state too, from which `fasthooks.load` merges several
 ranks' folders exactly: "mean" and "std" are written from it in float64, with "m2" (the sum of
@@ -120,7 +122,10 @@ def _table_parts(chunk: SinkChunk) -> list[tuple[str, dict[str, Any], Any]]:
     parts: list[tuple[str, dict[str, Any], Any]] = [
         (stat, _repeat_rows(values.numpy(), batches), None) for stat, values in planes.items()
     ]
-    for stat, counts in (("hist", chunk.hist), ("binades", chunk.binades)):
+    binned = [("hist", chunk.hist), ("binades", chunk.binades)]
+    if chunk.top is not None:
+        binned += [("top_value", chunk.top[..., 0]), ("top_channel", chunk.top[..., 1])]
+    for stat, counts in binned:
         if counts is None:
             continue
         rows, columns, bins = counts.shape

@@ -37,6 +37,7 @@ class Recording(Reading):
         nonfinite_ranks: dict[tuple[int, str], int] | None = None,
         binades: torch.Tensor | None = None,
         largest: torch.Tensor | None = None,
+        top: torch.Tensor | None = None,
     ) -> None:
         self.kind = settings["kind"]
         self.recorder = settings["recorder"]
@@ -52,6 +53,8 @@ class Recording(Reading):
             order = stepped_call_order(extra["nonfinite"])
         self.call_order = order
         self._hist, self._binades, self._largest = hist, binades, largest
+        self.top_k = int(settings.get("top_k", 0))
+        self._top = top
 
     @property
     def num_batches(self) -> int:
@@ -71,6 +74,12 @@ class Recording(Reading):
         if self._binades is None:
             raise AttributeError('binades are recorded only with extra=("binades", ...)')
         return self._binades
+
+    @property
+    def top(self) -> torch.Tensor:
+        if self._top is None:
+            raise AttributeError("top values are recorded only with top_k > 0")
+        return self._top
 
     def __repr__(self) -> str:
         return (
@@ -108,11 +117,22 @@ def _assemble(settings: dict[str, Any], tables: list[Any]) -> Recording:
         "first_nonfinite_call": order[0],
         "nonfinite_in_call": order[1],
     }
-    read_planes(files, names, batches, planes, {"hist": hist, "binades": binades})
+    top = empty_top(rows, columns, int(settings.get("top_k", 0)))
+    read_planes(files, names, batches, planes, {"hist": hist, "binades": binades, **top_parts(top)})
     if extremes:
         largest = torch.maximum(planes["min"].abs(), planes["max"].abs())
     batches = torch.from_numpy(batches)
-    return Recording(settings, batches, stats, extra, hist, order, None, binades, largest)
+    return Recording(settings, batches, stats, extra, hist, order, None, binades, largest, top)
+
+
+def empty_top(rows: int, columns: int, k: int) -> torch.Tensor | None:
+    """NaN top pairs `(rows, columns, k, 2)` to read a sink's into, None without `top_k`."""
+    return torch.full((rows, columns, k, 2), float("nan"), dtype=torch.float64) if k else None
+
+
+def top_parts(top: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The stats of a sink's top rows ("top_value", "top_channel") as views of `top`."""
+    return {} if top is None else {"top_value": top[..., 0], "top_channel": top[..., 1]}
 
 
 def _kind_of(folder: str | os.PathLike, kind: str | None) -> tuple[dict[str, Any], list[Any]]:

@@ -36,7 +36,8 @@ class SinkChunk(NamedTuple):
     recorded; `hist`: int64 `(rows, k, bins)` or None; `order`: int64 `(2, rows, k)`, the call
     order `first_nonfinite` reads, or None; `state`: float64 `(planes, rows, k)`, the merge state
     (`layout.STATE_PLANES`, the first three without extras) that merges exactly; `binades`:
-    int32 `(rows, k, layout.BINADE_BINS)` with the "binades" extra, else None.
+    int32 `(rows, k, layout.BINADE_BINS)` with the "binades" extra, else None; `top`: float64
+    `(rows, k, top_k, 2)` (value, channel) pairs with `top_k > 0`, else None.
     """
 
     kind: str
@@ -49,6 +50,7 @@ class SinkChunk(NamedTuple):
     order: torch.Tensor | None
     state: torch.Tensor
     binades: torch.Tensor | None = None
+    top: torch.Tensor | None = None
 
 
 class HostColumns:
@@ -203,6 +205,7 @@ class _Writer:
             columns.order if columns.order.numel() else None,
             columns.state,
             columns.binades if columns.binades.numel() else None,
+            columns.top if columns.top.numel() else None,
         )
         if callable(self.target):
             self.target(chunk)

@@ -12,9 +12,9 @@ import torch
 from .buffers import read_extras
 from .distributed import merge_states
 from .layout import BINADE_BINS, COUNT, state_planes
-from .moments import derived_extra, finalise
+from .moments import derived_extra, finalise, merged_top_pairs
 from .parquet import MERGEABLE_FORMAT, STATE_STATS, file_columns, file_settings, read_planes
-from .recording import Recording
+from .recording import Recording, empty_top, top_parts
 from .sink import HOST_DTYPES, HostColumns
 
 # What the folders merged must agree on.
@@ -36,13 +36,15 @@ class Columns(NamedTuple):
     """Columns on the union of rows and batches, of one folder or several merged: float64 merge
     state `(planes, rows, batches)` (zeros where empty), int64 histograms `(rows, batches, bins)`
     or None, int64 call order `(2, rows, batches)`, and the rank of each slot's first
-    non-finite call `(rows, batches)`."""
+    non-finite call `(rows, batches)`, int32 binade counts or None, and float64 top pairs
+    `(rows, batches, k, 2)` (NaN where empty) or None."""
 
     state: torch.Tensor
     hist: torch.Tensor | None
     order: torch.Tensor
     ranks: torch.Tensor
     binades: torch.Tensor | None
+    top: torch.Tensor | None
 
 
 def merge_folders(paths: list[str], runs: list[tuple[dict[str, Any], list[Any]]]) -> Recording:
@@ -74,7 +76,16 @@ def merge_folders(paths: list[str], runs: list[tuple[dict[str, Any], list[Any]]]
     batches = torch.from_numpy(batches)
     largest = None if merged.binades is None else derived_extra("absmax", merged.state)
     return Recording(
-        settings, batches, stats, extra, merged.hist, merged.order, ranks, merged.binades, largest
+        settings,
+        batches,
+        stats,
+        extra,
+        merged.hist,
+        merged.order,
+        ranks,
+        merged.binades,
+        largest,
+        merged.top,
     )
 
 
@@ -161,14 +172,18 @@ def _columns(
     order = torch.zeros(2, rows, len(batches), dtype=torch.int64)
     targets = {stat: state[plane] for stat, plane in STATE_STATS.items() if plane < planes}
     targets.update(first_nonfinite_call=order[0], nonfinite_in_call=order[1])
-    read_planes(files, names, batches, targets, {"hist": hist, "binades": binades})
+    top = empty_top(rows, len(batches), int(settings.get("top_k", 0)))
+    read_planes(
+        files, names, batches, targets, {"hist": hist, "binades": binades, **top_parts(top)}
+    )
     keep = counted[:, None]
     # An empty slot's mean and extremes were written NaN: its state is zeros, as a run keeps it.
     state = torch.where(keep & (state[COUNT] > 0), state, 0.0)
     hist = None if hist is None else torch.where(keep[..., None], hist, 0)
     binades = None if binades is None else torch.where(keep[..., None], binades, 0)
     order = torch.where(keep, order, 0)
-    return Columns(state, hist, order, torch.full_like(order[0], rank), binades)
+    top = None if top is None else torch.where(keep[..., None, None], top, float("nan"))
+    return Columns(state, hist, order, torch.full_like(order[0], rank), binades, top)
 
 
 def _counted(folders: list[Folder], names: list[str], plain_replicated: bool) -> torch.Tensor:
@@ -201,6 +216,7 @@ def _merged(a: Columns, b: Columns) -> Columns:
     state = merge_states([a.state, b.state])
     hist = None if a.hist is None else a.hist + b.hist
     binades = None if a.binades is None else a.binades + b.binades
+    top = None if a.top is None else merged_top_pairs(a.top, b.top)
     first_a, first_b = a.order[0], b.order[0]
     earlier = (first_b > 0) & ((first_a == 0) | (first_b < first_a))
     uncounted = (a.order[1] < 0) | (b.order[1] < 0)
@@ -210,4 +226,4 @@ def _merged(a: Columns, b: Columns) -> Columns:
             torch.where(uncounted, -1, a.order[1] + b.order[1]),
         ]
     )
-    return Columns(state, hist, order, torch.where(earlier, b.ranks, a.ranks), binades)
+    return Columns(state, hist, order, torch.where(earlier, b.ranks, a.ranks), binades, top)
