@@ -26,7 +26,7 @@ def _run(model, act, batches, step):
 OPTIONS = {
     "mean_std": {},
     "every_stat": {"extra": ("min", "max", "near_zero", "nonfinite", "kurtosis"), "hist_bins": 8},
-    "binades": {"extra": ("binades",)},
+    "binades_top_k": {"extra": ("binades",), "top_k": 4},
 }
 
 
@@ -68,6 +68,11 @@ def test_compiled_model_records_same_stats_without_recompiling(backend, compiler
         # The exponents of values as compiled arithmetic rounds them: a value may cross a binade.
         assert (act.binades - eager_act.binades).abs().sum() <= 2 * act.binades.shape[1]
         assert act.binades.sum() == eager_act.binades.sum() > 0
+    if act.top_k:
+        # The largest values and their channels, as compiled arithmetic rounds them.
+        torch.testing.assert_close(act.top_values, eager_act.top_values, rtol=1e-5, atol=1e-6)
+        assert torch.equal(act.top_channels, eager_act.top_channels)
+        assert (act.top_channels >= 0).all()
 
 
 @FUSED

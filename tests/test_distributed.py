@@ -22,7 +22,12 @@ from fasthooks.layout import EXTRAS
 
 # Rows of each batch given to rank 0 and rank 1: uneven, and the last batch leaves rank 1 empty.
 SPLITS = [(7, 5), (3, 9), (6, 0)]
-OPTIONS = {"extra": (*EXTRAS, "binades"), "hist_bins": 16, "hist_range": (-2.0, 2.0)}
+OPTIONS = {
+    "extra": (*EXTRAS, "binades"),
+    "hist_bins": 16,
+    "hist_range": (-2.0, 2.0),
+    "top_k": 5,
+}
 BACKEND_NAMES = ["python", "fused"] if fasthooks.extension_available() else ["python"]
 
 
@@ -39,7 +44,7 @@ def _batches() -> list[torch.Tensor]:
 
 
 def _recorded(act: ActivationStats) -> dict[str, torch.Tensor]:
-    counts = {"hist": act.hist.clone(), "binades": act.binades.clone()}
+    counts = {"hist": act.hist.clone(), "binades": act.binades.clone(), "top": act.top.clone()}
     return {"stats": act.stats.clone(), **counts, **act.extra}
 
 
