@@ -30,6 +30,7 @@ NEEDS = {
     "tensor parallelism": None,
     "pipeline stages": None,
     "fp8 fit": None,
+    "massive activations": None,
 }
 
 
