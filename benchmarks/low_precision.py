@@ -1,7 +1,9 @@
-"""What the "binades" extra costs, side by side on one tensor: the fused operator with every other
-extra, with binades added, with binades alone; `torch.sum` of the same tensor (the read floor);
-and what a user hand-rolls today for the same counts (`torch.histc` of `log2|x|`, and the
-`frexp` + `bincount` a careful one writes). Ratios are against `torch.sum` in the same run.
+"""What the "binades" extra and `top_k` cost, side by side on one tensor: the fused operator with
+every other extra, with binades or the 16 largest values added, with either beside mean and std
+alone; `torch.sum` of the same tensor (the read floor); and what a user hand-rolls today for the
+same answers (`torch.histc` of `log2|x|`, the `frexp` + `bincount` a careful one writes, and
+`torch.topk` of `abs()` with the channels of its indices). The tensor is read as (tokens, 1024
+channels) for the channels. Ratios are against `torch.sum` in the same run.
 
     python benchmarks/low_precision.py [--numel 4194304] [--dtypes float32 bfloat16]
         [--rounds 7] [--out DIR]
@@ -19,11 +21,21 @@ from timing import interleaved, machine_line, markdown_table, report
 from fasthooks.buffers import StatBuffers
 from fasthooks.ops import accumulate_stats, extension_available
 
+CHANNELS = 1024
 
-def fused(x: torch.Tensor, binades: bool, full: bool = True):
-    b = StatBuffers(1, 1, x.device, full=full, hist_bins=0, binades=binades)
+
+def fused(x: torch.Tensor, binades: bool, full: bool = True, top_k: int = 0):
+    b = StatBuffers(1, 1, x.device, full=full, hist_bins=0, binades=binades, top_k=top_k)
     args = b.op_args()
     return lambda: accumulate_stats(x, *args, 0)
+
+
+def hand_rolled_topk(x: torch.Tensor, k: int = 16):
+    def top():
+        _, index = torch.topk(x.abs().reshape(-1), k)
+        return x.reshape(-1)[index], index % CHANNELS
+
+    return top
 
 
 def hand_rolled_histc(x: torch.Tensor):
@@ -49,14 +61,18 @@ def main() -> None:
         x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)).to(
             getattr(torch, name)
         )
+        x = x.reshape(-1, CHANNELS) if args.numel % CHANNELS == 0 else x
         variants = {
             "torch.sum": lambda x=x: x.sum(),
             "mean and std": fused(x, binades=False, full=False),
             "every extra": fused(x, binades=False),
             "every extra + binades": fused(x, binades=True),
             "mean and std + binades": fused(x, binades=True, full=False),
+            "every extra + top_k=16": fused(x, binades=False, top_k=16),
+            "mean and std + top_k=16": fused(x, binades=False, full=False, top_k=16),
             "hand-rolled: histc of log2|x|": hand_rolled_histc(x),
             "hand-rolled: frexp + bincount": hand_rolled_frexp(x),
+            "hand-rolled: topk of abs() (k=16)": hand_rolled_topk(x),
         }
         timings = interleaved(variants, rounds=args.rounds, calls=3)
         floor = timings["torch.sum"].median

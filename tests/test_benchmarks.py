@@ -210,5 +210,6 @@ def test_the_low_precision_benchmark_times_binades_beside_the_read_floor(tmp_pat
     _run_script("low_precision.py", *args)
     table = (out / "results.md").read_text()
     assert "| float32 | torch.sum |" in table and "| float32 | every extra + binades |" in table
+    assert "| float32 | every extra + top_k=16 |" in table
     results = json.loads((out / "results.json").read_text())
     assert all(t["median_s"] > 0 for t in results["float32"].values())
