@@ -92,6 +92,7 @@ def cuda_workspace_doubles(top_k: int = 0) -> int:
     """
     return CUDA_WORKSPACE_DOUBLES + CUDA_WORKSPACE_REGIONS * CUDA_MAX_BLOCKS * top_k * 2
 
+
 COUNT, MEAN, M2, M3, M4, MIN, MAX, NEAR_ZERO, NONFINITE = range(len(STATE_PLANES))
 
 
