@@ -419,13 +419,11 @@ struct PowerSums {
   }
 };
 
-// Adds one load's values (read from `at`) to a group's sums, extremes, counts, histogram and
-// binades; with TopK, offers them to the warp's top_k list when one reaches the thread's floor.
-template <typename Acc, bool Full, int Hist, bool Binades, bool TopK, bool Diff, typename T,
-          int Width>
-__device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, const T* at, Acc shift,
-                         Acc near_zero, const BinTable<Acc>& table, const BinCounts& hist,
-                         PowerSums<Acc>& a, Extremes<Acc>& e, TopCandidates<T, Acc>& top) {
+// Adds one load's values to a group's sums, extremes, counts, histogram and binades.
+template <typename Acc, bool Full, int Hist, bool Binades, bool Diff, typename T, int Width>
+__device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, Acc shift, Acc near_zero,
+                         const BinTable<Acc>& table, const BinCounts& hist, PowerSums<Acc>& a,
+                         Extremes<Acc>& e) {
   constexpr bool kPaired = Full && kPairedExtremes<T, Diff> && Width % 2 == 0;
   if constexpr (kPaired) {
 #pragma unroll
@@ -436,7 +434,6 @@ __device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, const
       e.max_pair = pair_extreme<T, true>(e.max_pair, pair);
     }
   }
-  Acc largest = 0;  // of the load's magnitudes; NaN left out
 #pragma unroll
   for (int k = 0; k < Width; ++k) {
     const Acc value = value_of<Acc, Diff>(v, b, k);
@@ -455,23 +452,29 @@ __device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, const
     }
     if constexpr (Hist != kNoHistogram) count_bin<Hist>(value, table, hist);
     if constexpr (Binades) count_binade(value, hist);
-    if constexpr (TopK) largest = fmax(largest, fabs(value));
   }
-  if constexpr (TopK) {
-    if (largest >= top.floor)
-      top.floor = offer_candidates<T, Acc>(at, Width, top.x, top.map, top.k);
-  }
+}
+
+// With top_k, offers a load's values (read from `at`) to the warp's list when one reaches the
+// thread's floor: a compare per value beside the statistics, the slow path only then.
+template <typename Acc, typename T, int Width>
+__device__ void offer_load(const Load<T, Width>& v, const T* at, TopCandidates<T, Acc>& top) {
+  Acc largest = 0;  // NaN left out
+#pragma unroll
+  for (int k = 0; k < Width; ++k) largest = fmax(largest, fabs(value_of<Acc, false>(v, v, k)));
+  if (largest >= top.floor) top.floor = offer_candidates<T, Acc>(at, Width, top.x, top.map, top.k);
 }
 
 // Adds the group of Loads loads at i, i + step, ... to `sums`: all issued before the first is
 // used, summed in working precision, then added in double. Checked: loads at or past `end` are
-// left out (a thread's last group).
-template <typename Acc, bool Full, int Hist, bool Binades, bool TopK, int Loads, bool Checked,
-          typename T, int Width, bool Diff>
+// left out (a thread's last group). `top`: with top_k, its TopCandidates (kernels without it pass
+// none, and keep their code).
+template <typename Acc, bool Full, int Hist, bool Binades, int Loads, bool Checked, typename T,
+          int Width, bool Diff, typename... Top>
 __device__ void add_group(const Reader<T, Width, Diff>& r, int64_t i, int64_t end, int64_t step,
                           Acc shift, Acc near_zero, const BinTable<Acc>& table,
                           const BinCounts& hist, PowerSums<double>& sums, Extremes<Acc>& e,
-                          TopCandidates<T, Acc>& top) {
+                          Top&... top) {
   Load<T, Width> v[Loads];
   Load<T, Width> b[Loads];
 #pragma unroll
@@ -485,9 +488,8 @@ __device__ void add_group(const Reader<T, Width, Diff>& r, int64_t i, int64_t en
 #pragma unroll
   for (int u = 0; u < Loads; ++u) {
     if (!Checked || i + u * step < end) {
-      add_load<Acc, Full, Hist, Binades, TopK, Diff>(v[u], b[u],
-                                                     reinterpret_cast<const T*>(r.x + i + u * step),
-                                                     shift, near_zero, table, hist, group, e, top);
+      add_load<Acc, Full, Hist, Binades, Diff>(v[u], b[u], shift, near_zero, table, hist, group, e);
+      (offer_load(v[u], reinterpret_cast<const T*>(r.x + i + u * step), top), ...);
     }
   }
   sums.add(group);
@@ -498,13 +500,12 @@ __device__ void add_group(const Reader<T, Width, Diff>& r, int64_t i, int64_t en
 // the mean of its first load), loads_in_flight loads at a time (each group's sums in working
 // precision, added to the segment's in double), and merged into `moments` in double, so no
 // choice of first values spoils the rest; extremes, counts, the histogram and binades are taken
-// on the way.
-template <typename Acc, bool Full, int Hist, bool Binades, bool TopK, typename T, int Width,
-          bool Diff>
+// on the way, and with top_k (`top`, as add_group's) the top candidates.
+template <typename Acc, bool Full, int Hist, bool Binades, typename T, int Width, bool Diff,
+          typename... Top>
 __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int64_t first,
                             int64_t step, Acc near_zero, const BinTable<Acc>& table,
-                            const BinCounts& hist, Stats& moments, Extremes<Acc>& e,
-                            TopCandidates<T, Acc>& top) {
+                            const BinCounts& hist, Stats& moments, Extremes<Acc>& e, Top&... top) {
   for (int64_t begin = first; begin < loads; begin += kSegmentLoads * step) {
     const Acc shift = moments.count > 0.0 ? finite_or_zero(static_cast<Acc>(moments.mean))
                                           : load_mean<Acc>(r, begin);
@@ -520,13 +521,13 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
     if constexpr (Hist != kBinsPerThread) {
       const int64_t whole_end = begin + segment_loads / kInFlight * kInFlight * step;
       for (; i < whole_end; i += kInFlight * step) {
-        add_group<Acc, Full, Hist, Binades, TopK, kInFlight, false>(
-            r, i, end, step, shift, near_zero, table, hist, sums, e, top);
+        add_group<Acc, Full, Hist, Binades, kInFlight, false>(r, i, end, step, shift, near_zero,
+                                                              table, hist, sums, e, top...);
       }
     }
     for (; i < end; i += kInFlight * step) {
-      add_group<Acc, Full, Hist, Binades, TopK, kInFlight, true>(r, i, end, step, shift, near_zero,
-                                                                 table, hist, sums, e, top);
+      add_group<Acc, Full, Hist, Binades, kInFlight, true>(r, i, end, step, shift, near_zero, table,
+                                                           hist, sums, e, top...);
     }
     if constexpr (Full) e.end_segment();
     const auto count = static_cast<double>(segment_loads * Width);
@@ -599,15 +600,21 @@ __device__ void merge_top_lists(TopLists<Acc>& t, int k, const double* lists, un
   }
 }
 
+// The TopBuffers of a kernel with top_k, its one `Top` argument.
+__device__ inline const TopBuffers& top_buffers_of(const TopBuffers& tb) { return tb; }
+
 // Block `block` of the `blocks` that read the n values at x (minus base, with Diff) for slot
 // b.slot at column `column`: its partials go to partials[block], its ticket to *finished, and
 // the last of them merges all into the slot and resets *finished for the next call. With
 // Binades (never with Diff: a parameter's update has none), the values' binades are counted too;
-// with TopK (neither), the top_k pairs kept too.
-template <typename T, typename Acc, bool Full, int Hist, bool Binades, bool TopK, bool Diff>
+// with TopK (neither), the top_k pairs kept too, as `tb` (a TopBuffers) says; kernels without
+// top_k pass none, and keep their code.
+template <typename T, typename Acc, bool Full, int Hist, bool Binades, bool TopK, bool Diff,
+          typename... Top>
 __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ base, int64_t n,
                                  int64_t head, const Buffers& b, int64_t column, unsigned block,
-                                 unsigned blocks, double* partials, unsigned int* finished) {
+                                 unsigned blocks, double* partials, unsigned int* finished,
+                                 const Top&... tb) {
   FASTHOOKS_DYNAMIC_SHARED(dynamic_shared);
   auto* lower = reinterpret_cast<Acc*>(dynamic_shared);
   auto* hist = reinterpret_cast<unsigned int*>(lower + bin_edges(Hist));
@@ -615,7 +622,6 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
   static_assert(!(Binades && Diff), "binades are counted of values, not of differences");
   static_assert(!(TopK && Diff), "top_k is kept of values, not of differences");
   unsigned int* const binades = binade_table<Binades>();
-  const int top_k = static_cast<int>(b.top_k);
   if constexpr (Hist != kNoHistogram || Binades || TopK) {
     if constexpr (Hist != kNoHistogram) {
       for (int64_t k = threadIdx.x; k <= b.bins; k += blockDim.x) {
@@ -660,13 +666,24 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
   // A thread's column starts a row in, for the values below the range.
   const BinCounts histogram{Hist == kBinsPerThread ? hist + kThreads + threadIdx.x : hist, binades,
                             (1u << (threadIdx.x % 32)) - 1u};
-  TopCandidates<T, Acc> top{x, b.channels, top_k, Acc(0)};
-  thread_pass<Acc, Full, Hist, Binades, TopK>(head_part, head, tid, step, near_zero, table,
-                                              histogram, moments, e, top);
-  thread_pass<Acc, Full, Hist, Binades, TopK>(body, vectors, tid, step, near_zero, table, histogram,
-                                              moments, e, top);
-  thread_pass<Acc, Full, Hist, Binades, TopK>(tail_part, x + n - tail, tid, step, near_zero, table,
-                                              histogram, moments, e, top);
+  // Kernels without top_k pass no TopCandidates, and keep their code.
+  if constexpr (TopK) {
+    const TopBuffers& t = top_buffers_of(tb...);
+    TopCandidates<T, Acc> top{x, t.channels, static_cast<int>(t.k), Acc(0)};
+    thread_pass<Acc, Full, Hist, Binades>(head_part, head, tid, step, near_zero, table, histogram,
+                                          moments, e, top);
+    thread_pass<Acc, Full, Hist, Binades>(body, vectors, tid, step, near_zero, table, histogram,
+                                          moments, e, top);
+    thread_pass<Acc, Full, Hist, Binades>(tail_part, x + n - tail, tid, step, near_zero, table,
+                                          histogram, moments, e, top);
+  } else {
+    thread_pass<Acc, Full, Hist, Binades>(head_part, head, tid, step, near_zero, table, histogram,
+                                          moments, e);
+    thread_pass<Acc, Full, Hist, Binades>(body, vectors, tid, step, near_zero, table, histogram,
+                                          moments, e);
+    thread_pass<Acc, Full, Hist, Binades>(tail_part, x + n - tail, tid, step, near_zero, table,
+                                          histogram, moments, e);
+  }
 
   const int64_t cell = b.slot * b.capacity + column;
   if constexpr (Hist != kNoHistogram || Binades) __syncthreads();
@@ -708,15 +725,21 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
   if (threadIdx.x == 0) {
     store_state<Full>(partials + kPartials * block, 1, moments);
     // Past block_reduce's barrier every warp's list is whole: the block's best k go beside.
-    if constexpr (TopK) write_block_list(*top_lists<Acc>(), top_k, b.top_lists + 2 * top_k * block);
+    if constexpr (TopK) {
+      const TopBuffers& t = top_buffers_of(tb...);
+      write_block_list(*top_lists<Acc>(), static_cast<int>(t.k), t.lists + 2 * t.k * block);
+    }
     __threadfence();  // release: the partials are visible before the ticket is taken
     last_block = atomicAdd(finished, 1u) == blocks - 1;
   }
   __syncthreads();
   if (!last_block) return;
   __threadfence();  // acquire: every block's partials are read after its ticket
-  if constexpr (TopK)
-    merge_top_lists(*top_lists<Acc>(), top_k, b.top_lists, blocks, b.top + 2 * top_k * cell);
+  if constexpr (TopK) {
+    const TopBuffers& t = top_buffers_of(tb...);
+    merge_top_lists(*top_lists<Acc>(), static_cast<int>(t.k), t.lists, blocks,
+                    t.rows + 2 * t.k * cell);
+  }
 
   Stats total;
   for (int blk = threadIdx.x; blk < static_cast<int>(blocks); blk += blockDim.x) {
@@ -753,11 +776,17 @@ __device__ inline int64_t column_or_drop(const Buffers& b, unsigned long long ca
 template <typename T, typename Acc, bool Full, int Hist, bool Diff, bool Binades, bool TopK>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     accumulate_stats_kernel(const T* __restrict__ x, const T* __restrict__ base, int64_t n,
-                            int64_t head, Buffers b) {
+                            int64_t head, Buffers b, TopBuffers top) {
   const int64_t column = column_or_drop(b, 1);
   if (column < 0) return;
-  accumulate_block<T, Acc, Full, Hist, Binades, TopK, Diff>(x, base, n, head, b, column, blockIdx.x,
-                                                            gridDim.x, b.partials, b.finished);
+  // A kernel without top_k passes no TopBuffers on, and keeps its code.
+  if constexpr (TopK) {
+    accumulate_block<T, Acc, Full, Hist, Binades, TopK, Diff>(
+        x, base, n, head, b, column, blockIdx.x, gridDim.x, b.partials, b.finished, top);
+  } else {
+    accumulate_block<T, Acc, Full, Hist, Binades, TopK, Diff>(
+        x, base, n, head, b, column, blockIdx.x, gridDim.x, b.partials, b.finished);
+  }
 }
 
 // Every tensor of a table in one launch: block i works for the tensor whose blocks hold i. It

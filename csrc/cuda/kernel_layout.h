@@ -110,11 +110,15 @@ struct Buffers {
   double near_zero;
   double hist_min;
   double hist_max;
-  // The top_k option's: the slot rows (modules, capacity, top_k, 2), null without it; the call's
-  // region of per-block lists; the channel of each position.
-  double* top;
-  double* top_lists;
-  int64_t top_k;
+};
+
+// The top_k option's, an argument of the one-tensor kernels of its own (Buffers keeps its size,
+// so the list kernel its code): the slot rows (modules, capacity, k, 2), null without top_k; the
+// call's region of per-block lists; the channel of each position.
+struct TopBuffers {
+  double* rows;
+  double* lists;
+  int64_t k;
   ChannelMap channels;
 };
 

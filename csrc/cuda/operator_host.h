@@ -25,16 +25,16 @@ struct OperatorHost {
 
   // One launch of the kernel for T on `stream`, over x (minus base, when given).
   template <typename T>
-  static void launch(const Tensor& x, const Tensor* base, const Buffers& buffers, bool full,
-                     Stream stream, int device) {
+  static void launch(const Tensor& x, const Tensor* base, const Buffers& buffers,
+                     const TopBuffers& top, bool full, Stream stream, int device) {
     const T* p = static_cast<const T*>(x.const_data_ptr());
     const T* b = base != nullptr ? static_cast<const T*>(base->const_data_ptr()) : nullptr;
     const int64_t n = x.numel();
     const KernelVariant kernel =
         variant_of(dtype_position(dtype_of(x)), false, full, buffers.bins, b != nullptr,
-                   buffers.binades != nullptr, buffers.top != nullptr);
+                   buffers.binades != nullptr, top.rows != nullptr);
     const LaunchPlan plan = plan_launch(p, b, n, Device::resident_blocks(kernel, device));
-    Device::launch(kernel, plan.blocks, stream, device, p, b, n, plan.head, buffers);
+    Device::launch(kernel, plan.blocks, stream, device, p, b, n, plan.head, buffers, top);
   }
 
   // Tensors of one dtype, read in place or as copies, and their slots.
@@ -139,15 +139,17 @@ struct OperatorHost {
       buffers.clock = static_cast<unsigned long long*>(clock.mutable_data_ptr());
     }
     const Tensor dense = dense_values(x);
+    TopBuffers top_buffers{};
     if (top_k > 0) {
-      buffers.top = static_cast<double*>(top.mutable_data_ptr());
-      buffers.top_lists =
+      top_buffers.rows = static_cast<double*>(top.mutable_data_ptr());
+      top_buffers.lists =
           call.workspace + kWorkspaceDoubles + call.region * top_region_doubles(top_k);
-      buffers.top_k = top_k;
-      buffers.channels = channel_map(dense, channel_dim);
+      top_buffers.k = top_k;
+      top_buffers.channels = channel_map(dense, channel_dim);
     }
     dispatch_dtype(dtype_of(dense), [&](auto tag) {
-      launch<typename decltype(tag)::type>(dense, nullptr, buffers, full, call.stream, device);
+      launch<typename decltype(tag)::type>(dense, nullptr, buffers, top_buffers, full, call.stream,
+                                           device);
     });
   }
 
