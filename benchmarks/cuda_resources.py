@@ -58,6 +58,7 @@ class Kernel(NamedTuple):
     diff: bool  # of a difference from a base
     is_list: bool  # the list kernel (accumulate_stats_list)
     binades: bool = False  # the "binades" extra counted too (one tensor's values only)
+    top: bool = False  # the top_k pairs kept too (one tensor's values only)
 
     @property
     def what(self) -> str:
@@ -65,6 +66,7 @@ class Kernel(NamedTuple):
             f" + histogram ({self.bins} bins)" if self.bins else ""
         )
         what += " + binades" if self.binades else ""
+        what += " + top_k" if self.top else ""
         what += " of a difference" if self.diff else ""
         return what + (", list" if self.is_list else "")
 
@@ -129,6 +131,7 @@ def cubin(kernel: Kernel, arch: str) -> tuple[str, bytes]:
         diff=kernel.diff,
         list_=kernel.is_list,
         binades=kernel.binades,
+        top=kernel.top,
     )
     return cuda_setup.read_kernel(path)
 

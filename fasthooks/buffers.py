@@ -15,11 +15,11 @@ from .layout import (
     BUFFERS,
     COUNTED_EXTRAS,
     CUDA_DROPPED_CALLS,
-    CUDA_WORKSPACE_DOUBLES,
     DERIVED_EXTRAS,
     EXTRA_PLANES,
     NONFINITE,
     buffer_shape,
+    cuda_workspace_doubles,
 )
 from .moments import derived_extra
 
@@ -83,7 +83,7 @@ class StatBuffers:
             self.cursor = torch.zeros((), dtype=torch.int64, device=device)
             # Partial results of the CUDA kernels; the zeroed counter is reset by the kernel.
             self.workspace = torch.zeros(
-                CUDA_WORKSPACE_DOUBLES if device.type == "cuda" else 0,
+                cuda_workspace_doubles(top_k) if device.type == "cuda" else 0,
                 dtype=torch.float64,
                 device=device,
             )

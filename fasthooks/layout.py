@@ -79,6 +79,20 @@ CUDA_WORKSPACE_DOUBLES = (
 )
 CUDA_DROPPED_CALLS = CUDA_WORKSPACE_DOUBLES - 1
 
+
+def cuda_workspace_doubles(top_k: int = 0) -> int:
+    """The CUDA workspace of a run keeping `top_k` pairs per slot (0: none): with top_k, each
+    region goes on with a list of top_k (value, channel) pairs for each of its blocks.
+
+    Examples:
+        >>> cuda_workspace_doubles() == CUDA_WORKSPACE_DOUBLES
+        True
+        >>> cuda_workspace_doubles(4) - CUDA_WORKSPACE_DOUBLES == 8 * 2048 * 4 * 2
+        True
+    """
+    return CUDA_WORKSPACE_DOUBLES + CUDA_WORKSPACE_REGIONS * CUDA_MAX_BLOCKS * top_k * 2
+
+
 COUNT, MEAN, M2, M3, M4, MIN, MAX, NEAR_ZERO, NONFINITE = range(len(STATE_PLANES))
 
 

@@ -10,7 +10,10 @@
 // finalised statistics and resets the finished-blocks counter for the next call. Histograms are
 // counted in shared memory (kernel_layout.h: per thread for few bins, per block for more) and
 // added to the slot's row at the end of the block; so are binades (the "binades" extra), per
-// block, in kernels of their own.
+// block, in kernels of their own. With top_k (kernels of their own too), each warp keeps the k
+// pairs of largest magnitude it has seen in shared memory; each block writes its warps' best to
+// the workspace, and the last block merges those with the slot's row (top.h: a total order, so
+// the result is the same whatever the blocks and the order they finish in).
 #pragma once
 
 #include "../binades.h"
@@ -20,6 +23,10 @@
 // The block's dynamic shared memory; the emulation defines its own before including this file.
 #ifndef FASTHOOKS_DYNAMIC_SHARED
 #define FASTHOOKS_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+// A device function kept out of line (a slow path); the emulation spells it its own way.
+#ifndef FASTHOOKS_NOINLINE
+#define FASTHOOKS_NOINLINE __noinline__
 #endif
 
 namespace fasthooks {
@@ -262,6 +269,74 @@ __device__ inline void add_thread_columns(const unsigned int* columns, int64_t b
   }
 }
 
+// The top_k lists of a block in shared memory: one per warp, ordered by ranks_before, with its
+// floor (the magnitude of its last pair once full: values below it cannot enter) and a lock.
+template <typename Acc>
+struct TopLists {
+  TopPair lists[kWarps][kMaxTopK];
+  Acc floors[kWarps];
+  unsigned int locks[kWarps];
+};
+
+template <typename Acc>
+__device__ TopLists<Acc>* top_lists() {
+  __shared__ TopLists<Acc> lists;
+  return &lists;
+}
+
+__device__ inline TopPair empty_pair() {
+  const double nan = __longlong_as_double(0x7ff8000000000000ll);  // as torch's NaN fill
+  return {nan, nan};
+}
+
+// Offers p to the list of warp w under its lock (lanes of one warp may run apart, so they may
+// offer at once too), raising its floor once full; whether p entered.
+template <typename Acc>
+__device__ bool offer_locked(TopLists<Acc>& t, int w, int k, const TopPair& p) {
+  while (atomicCAS(&t.locks[w], 0u, 1u) != 0u) {
+  }
+  __threadfence_block();
+  TopPair* list = t.lists[w];
+  const bool entered = ranks_before(p, list[k - 1]);
+  if (entered) {
+    offer_top(list, k, p);
+    const double last = list[k - 1].value;
+    if (last == last) *static_cast<volatile Acc*>(&t.floors[w]) = static_cast<Acc>(fabs(last));
+  }
+  __threadfence_block();
+  atomicExch(&t.locks[w], 0u);
+  return entered;
+}
+
+// What a thread needs to offer its values: where the tensor starts (a value's position in
+// memory order gives its channel), the channel map, k, and its copy of its warp's floor, never
+// above the list's own (a stale copy only sends more loads down the slow path).
+template <typename T, typename Acc>
+struct TopCandidates {
+  const T* x;
+  ChannelMap map;
+  int k;
+  Acc floor;
+};
+
+// The slow path of a load with a value of magnitude at least the thread's floor: its `width`
+// values at p, read again (from cache), offered one by one where they reach the warp's floor.
+// Out of line, so the loop of the statistics keeps its registers. Returns the warp's floor.
+template <typename T, typename Acc>
+__device__ FASTHOOKS_NOINLINE Acc offer_candidates(const T* p, int width, const T* x,
+                                                   ChannelMap map, int k) {
+  TopLists<Acc>& t = *top_lists<Acc>();
+  const int w = threadIdx.x / 32;
+  const volatile Acc* floor = &t.floors[w];
+  for (int j = 0; j < width; ++j) {
+    const Acc value = static_cast<Acc>(p[j]);
+    if (!(fabs(value) >= *floor)) continue;  // NaN never enters
+    offer_locked(t, w, k,
+                 {static_cast<double>(value), static_cast<double>(map.channel(p + j - x))});
+  }
+  return *floor;
+}
+
 // What a thread reads, Width values a load: x's values, or with Diff, x's minus the base's (a
 // parameter's update: after its step minus before it), taken in Acc. Kernels without a base
 // carry none: its loads would cost registers.
@@ -380,14 +455,26 @@ __device__ void add_load(const Load<T, Width>& v, const Load<T, Width>& b, Acc s
   }
 }
 
+// With top_k, offers a load's values (read from `at`) to the warp's list when one reaches the
+// thread's floor: a compare per value beside the statistics, the slow path only then.
+template <typename Acc, typename T, int Width>
+__device__ void offer_load(const Load<T, Width>& v, const T* at, TopCandidates<T, Acc>& top) {
+  Acc largest = 0;  // NaN left out
+#pragma unroll
+  for (int k = 0; k < Width; ++k) largest = fmax(largest, fabs(value_of<Acc, false>(v, v, k)));
+  if (largest >= top.floor) top.floor = offer_candidates<T, Acc>(at, Width, top.x, top.map, top.k);
+}
+
 // Adds the group of Loads loads at i, i + step, ... to `sums`: all issued before the first is
 // used, summed in working precision, then added in double. Checked: loads at or past `end` are
-// left out (a thread's last group).
+// left out (a thread's last group). `top`: with top_k, its TopCandidates (kernels without it pass
+// none, and keep their code).
 template <typename Acc, bool Full, int Hist, bool Binades, int Loads, bool Checked, typename T,
-          int Width, bool Diff>
+          int Width, bool Diff, typename... Top>
 __device__ void add_group(const Reader<T, Width, Diff>& r, int64_t i, int64_t end, int64_t step,
                           Acc shift, Acc near_zero, const BinTable<Acc>& table,
-                          const BinCounts& hist, PowerSums<double>& sums, Extremes<Acc>& e) {
+                          const BinCounts& hist, PowerSums<double>& sums, Extremes<Acc>& e,
+                          Top&... top) {
   Load<T, Width> v[Loads];
   Load<T, Width> b[Loads];
 #pragma unroll
@@ -402,6 +489,7 @@ __device__ void add_group(const Reader<T, Width, Diff>& r, int64_t i, int64_t en
   for (int u = 0; u < Loads; ++u) {
     if (!Checked || i + u * step < end) {
       add_load<Acc, Full, Hist, Binades, Diff>(v[u], b[u], shift, near_zero, table, hist, group, e);
+      (offer_load(v[u], reinterpret_cast<const T*>(r.x + i + u * step), top), ...);
     }
   }
   sums.add(group);
@@ -412,11 +500,12 @@ __device__ void add_group(const Reader<T, Width, Diff>& r, int64_t i, int64_t en
 // the mean of its first load), loads_in_flight loads at a time (each group's sums in working
 // precision, added to the segment's in double), and merged into `moments` in double, so no
 // choice of first values spoils the rest; extremes, counts, the histogram and binades are taken
-// on the way.
-template <typename Acc, bool Full, int Hist, bool Binades, typename T, int Width, bool Diff>
+// on the way, and with top_k (`top`, as add_group's) the top candidates.
+template <typename Acc, bool Full, int Hist, bool Binades, typename T, int Width, bool Diff,
+          typename... Top>
 __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int64_t first,
                             int64_t step, Acc near_zero, const BinTable<Acc>& table,
-                            const BinCounts& hist, Stats& moments, Extremes<Acc>& e) {
+                            const BinCounts& hist, Stats& moments, Extremes<Acc>& e, Top&... top) {
   for (int64_t begin = first; begin < loads; begin += kSegmentLoads * step) {
     const Acc shift = moments.count > 0.0 ? finite_or_zero(static_cast<Acc>(moments.mean))
                                           : load_mean<Acc>(r, begin);
@@ -433,12 +522,12 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
       const int64_t whole_end = begin + segment_loads / kInFlight * kInFlight * step;
       for (; i < whole_end; i += kInFlight * step) {
         add_group<Acc, Full, Hist, Binades, kInFlight, false>(r, i, end, step, shift, near_zero,
-                                                              table, hist, sums, e);
+                                                              table, hist, sums, e, top...);
       }
     }
     for (; i < end; i += kInFlight * step) {
       add_group<Acc, Full, Hist, Binades, kInFlight, true>(r, i, end, step, shift, near_zero, table,
-                                                           hist, sums, e);
+                                                           hist, sums, e, top...);
     }
     if constexpr (Full) e.end_segment();
     const auto count = static_cast<double>(segment_loads * Width);
@@ -458,21 +547,82 @@ __device__ void thread_pass(const Reader<T, Width, Diff>& r, int64_t loads, int6
   }
 }
 
+template <typename Acc>
+__device__ void clear_top_lists(TopLists<Acc>& t) {
+  for (int i = threadIdx.x; i < kWarps * kMaxTopK; i += blockDim.x)
+    t.lists[i / kMaxTopK][i % kMaxTopK] = empty_pair();
+  if (threadIdx.x < kWarps) {
+    t.floors[threadIdx.x] = 0;
+    t.locks[threadIdx.x] = 0;
+  }
+}
+
+// Merges the sorted list `from` of k pairs into `into`: from's first pair that does not enter
+// ends it, as every later one ranks after it.
+__device__ inline void merge_sorted(TopPair* into, int k, const TopPair* from) {
+  for (int j = 0; j < k && ranks_before(from[j], into[k - 1]); ++j) offer_top(into, k, from[j]);
+}
+
+// The block's list: its warps' merged into the first, written to `out` (k pairs). By one thread.
+template <typename Acc>
+__device__ void write_block_list(TopLists<Acc>& t, int k, double* out) {
+  for (int w = 1; w < kWarps; ++w) merge_sorted(t.lists[0], k, t.lists[w]);
+  for (int j = 0; j < k; ++j) {
+    out[2 * j] = t.lists[0][j].value;
+    out[2 * j + 1] = t.lists[0][j].channel;
+  }
+}
+
+// By the last block: the lists of all `blocks` blocks (at `lists`, k pairs each), merged by its
+// threads into their warps' lists (emptied first) and those by one thread with the slot's `row`
+// of k pairs, which takes the result.
+template <typename Acc>
+__device__ void merge_top_lists(TopLists<Acc>& t, int k, const double* lists, unsigned blocks,
+                                double* row) {
+  clear_top_lists(t);
+  __syncthreads();
+  const int w = threadIdx.x / 32;
+  for (unsigned blk = threadIdx.x; blk < blocks; blk += blockDim.x) {
+    const double* list = lists + 2 * k * static_cast<int64_t>(blk);
+    for (int j = 0; j < k; ++j) {
+      if (!offer_locked(t, w, k, {__ldcg(list + 2 * j), __ldcg(list + 2 * j + 1)})) break;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    TopPair* best = t.lists[0];
+    for (int v = 1; v < kWarps; ++v) merge_sorted(best, k, t.lists[v]);
+    for (int j = 0; j < k; ++j) offer_top(best, k, {row[2 * j], row[2 * j + 1]});
+    for (int j = 0; j < k; ++j) {
+      row[2 * j] = best[j].value;
+      row[2 * j + 1] = best[j].channel;
+    }
+  }
+}
+
+// The TopBuffers of a kernel with top_k, its one `Top` argument.
+__device__ inline const TopBuffers& top_buffers_of(const TopBuffers& tb) { return tb; }
+
 // Block `block` of the `blocks` that read the n values at x (minus base, with Diff) for slot
 // b.slot at column `column`: its partials go to partials[block], its ticket to *finished, and
 // the last of them merges all into the slot and resets *finished for the next call. With
-// Binades (never with Diff: a parameter's update has none), the values' binades are counted too.
-template <typename T, typename Acc, bool Full, int Hist, bool Binades, bool Diff>
+// Binades (never with Diff: a parameter's update has none), the values' binades are counted too;
+// with TopK (neither), the top_k pairs kept too, as `tb` (a TopBuffers) says; kernels without
+// top_k pass none, and keep their code.
+template <typename T, typename Acc, bool Full, int Hist, bool Binades, bool TopK, bool Diff,
+          typename... Top>
 __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ base, int64_t n,
                                  int64_t head, const Buffers& b, int64_t column, unsigned block,
-                                 unsigned blocks, double* partials, unsigned int* finished) {
+                                 unsigned blocks, double* partials, unsigned int* finished,
+                                 const Top&... tb) {
   FASTHOOKS_DYNAMIC_SHARED(dynamic_shared);
   auto* lower = reinterpret_cast<Acc*>(dynamic_shared);
   auto* hist = reinterpret_cast<unsigned int*>(lower + bin_edges(Hist));
   const BinTable<Acc> table = bin_table(lower, b.bins, b.hist_min, b.hist_max);
   static_assert(!(Binades && Diff), "binades are counted of values, not of differences");
+  static_assert(!(TopK && Diff), "top_k is kept of values, not of differences");
   unsigned int* const binades = binade_table<Binades>();
-  if constexpr (Hist != kNoHistogram || Binades) {
+  if constexpr (Hist != kNoHistogram || Binades || TopK) {
     if constexpr (Hist != kNoHistogram) {
       for (int64_t k = threadIdx.x; k <= b.bins; k += blockDim.x) {
         lower[k] = k < b.bins ? lower_edge<Acc>(k, b.bins, b.hist_min, b.hist_max)
@@ -487,6 +637,7 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
     if constexpr (Binades) {
       for (int k = threadIdx.x; k < kBinadeBins; k += blockDim.x) binades[k] = 0;
     }
+    if constexpr (TopK) clear_top_lists(*top_lists<Acc>());
     __syncthreads();
   }
 
@@ -515,12 +666,24 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
   // A thread's column starts a row in, for the values below the range.
   const BinCounts histogram{Hist == kBinsPerThread ? hist + kThreads + threadIdx.x : hist, binades,
                             (1u << (threadIdx.x % 32)) - 1u};
-  thread_pass<Acc, Full, Hist, Binades>(head_part, head, tid, step, near_zero, table, histogram,
-                                        moments, e);
-  thread_pass<Acc, Full, Hist, Binades>(body, vectors, tid, step, near_zero, table, histogram,
-                                        moments, e);
-  thread_pass<Acc, Full, Hist, Binades>(tail_part, x + n - tail, tid, step, near_zero, table,
-                                        histogram, moments, e);
+  // Kernels without top_k pass no TopCandidates, and keep their code.
+  if constexpr (TopK) {
+    const TopBuffers& t = top_buffers_of(tb...);
+    TopCandidates<T, Acc> top{x, t.channels, static_cast<int>(t.k), Acc(0)};
+    thread_pass<Acc, Full, Hist, Binades>(head_part, head, tid, step, near_zero, table, histogram,
+                                          moments, e, top);
+    thread_pass<Acc, Full, Hist, Binades>(body, vectors, tid, step, near_zero, table, histogram,
+                                          moments, e, top);
+    thread_pass<Acc, Full, Hist, Binades>(tail_part, x + n - tail, tid, step, near_zero, table,
+                                          histogram, moments, e, top);
+  } else {
+    thread_pass<Acc, Full, Hist, Binades>(head_part, head, tid, step, near_zero, table, histogram,
+                                          moments, e);
+    thread_pass<Acc, Full, Hist, Binades>(body, vectors, tid, step, near_zero, table, histogram,
+                                          moments, e);
+    thread_pass<Acc, Full, Hist, Binades>(tail_part, x + n - tail, tid, step, near_zero, table,
+                                          histogram, moments, e);
+  }
 
   const int64_t cell = b.slot * b.capacity + column;
   if constexpr (Hist != kNoHistogram || Binades) __syncthreads();
@@ -561,12 +724,22 @@ __device__ void accumulate_block(const T* __restrict__ x, const T* __restrict__ 
   __shared__ bool last_block;
   if (threadIdx.x == 0) {
     store_state<Full>(partials + kPartials * block, 1, moments);
+    // Past block_reduce's barrier every warp's list is whole: the block's best k go beside.
+    if constexpr (TopK) {
+      const TopBuffers& t = top_buffers_of(tb...);
+      write_block_list(*top_lists<Acc>(), static_cast<int>(t.k), t.lists + 2 * t.k * block);
+    }
     __threadfence();  // release: the partials are visible before the ticket is taken
     last_block = atomicAdd(finished, 1u) == blocks - 1;
   }
   __syncthreads();
   if (!last_block) return;
   __threadfence();  // acquire: every block's partials are read after its ticket
+  if constexpr (TopK) {
+    const TopBuffers& t = top_buffers_of(tb...);
+    merge_top_lists(*top_lists<Acc>(), static_cast<int>(t.k), t.lists, blocks,
+                    t.rows + 2 * t.k * cell);
+  }
 
   Stats total;
   for (int blk = threadIdx.x; blk < static_cast<int>(blocks); blk += blockDim.x) {
@@ -600,14 +773,20 @@ __device__ inline int64_t column_or_drop(const Buffers& b, unsigned long long ca
   return -1;
 }
 
-template <typename T, typename Acc, bool Full, int Hist, bool Diff, bool Binades>
+template <typename T, typename Acc, bool Full, int Hist, bool Diff, bool Binades, bool TopK>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     accumulate_stats_kernel(const T* __restrict__ x, const T* __restrict__ base, int64_t n,
-                            int64_t head, Buffers b) {
+                            int64_t head, Buffers b, TopBuffers top) {
   const int64_t column = column_or_drop(b, 1);
   if (column < 0) return;
-  accumulate_block<T, Acc, Full, Hist, Binades, Diff>(x, base, n, head, b, column, blockIdx.x,
-                                                      gridDim.x, b.partials, b.finished);
+  // A kernel without top_k passes no TopBuffers on, and keeps its code.
+  if constexpr (TopK) {
+    accumulate_block<T, Acc, Full, Hist, Binades, TopK, Diff>(
+        x, base, n, head, b, column, blockIdx.x, gridDim.x, b.partials, b.finished, top);
+  } else {
+    accumulate_block<T, Acc, Full, Hist, Binades, TopK, Diff>(
+        x, base, n, head, b, column, blockIdx.x, gridDim.x, b.partials, b.finished);
+  }
 }
 
 // Every tensor of a table in one launch: block i works for the tensor whose blocks hold i. It
@@ -622,7 +801,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   const int32_t first = table.first_block[t];
   Buffers own = b;
   own.slot = table.slot[t];
-  accumulate_block<T, Acc, Full, Hist, false, Diff>(
+  accumulate_block<T, Acc, Full, Hist, false, false, Diff>(
       static_cast<const T*>(table.x[t]), static_cast<const T*>(table.base[t]), table.n[t],
       table.head[t], own, column, blockIdx.x - first, table.first_block[t + 1] - first,
       b.partials + kPartials * first, b.finished + 2 * t);

@@ -5,6 +5,7 @@
 
 #include "../device_base.h"
 #include "../stats.h"
+#include "../top.h"
 
 namespace fasthooks {
 namespace cuda {
@@ -68,6 +69,12 @@ constexpr int64_t kRegionDoubles = kPartials * kMaxBlocks;
 constexpr int64_t kCountersAt = kRegions * kRegionDoubles;
 constexpr int64_t kDroppedAt = kCountersAt + kRegions * kListTensors;
 constexpr int64_t kWorkspaceDoubles = kDroppedAt + 1;
+// With top_k, the workspace goes on with each region's per-block lists of k pairs: kept only by
+// runs that ask for top_k, sized for their k.
+C10_HOST_DEVICE constexpr int64_t top_region_doubles(int64_t k) { return kMaxBlocks * k * 2; }
+C10_HOST_DEVICE constexpr int64_t workspace_doubles(int64_t top_k) {
+  return kWorkspaceDoubles + kRegions * top_region_doubles(top_k);
+}
 
 template <typename T, int Width>
 struct alignas(Width * sizeof(T)) Load {
@@ -103,6 +110,16 @@ struct Buffers {
   double near_zero;
   double hist_min;
   double hist_max;
+};
+
+// The top_k option's, an argument of the one-tensor kernels of its own (Buffers keeps its size,
+// so the list kernel its code): the slot rows (modules, capacity, k, 2), null without top_k; the
+// call's region of per-block lists; the channel of each position.
+struct TopBuffers {
+  double* rows;
+  double* lists;
+  int64_t k;
+  ChannelMap channels;
 };
 
 // One launch of the list kernel: up to kListTensors tensors of one dtype, tensor t taking blocks

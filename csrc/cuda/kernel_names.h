@@ -20,11 +20,11 @@ inline std::string name_expression(const KernelVariant& v) {
          (v.list ? "accumulate_list_kernel<" : "accumulate_stats_kernel<") + value_type_name(v) +
          ", " + (sums_in_double(v) ? "double" : "float") + ", " + flag(v.full) + ", " +
          std::to_string(v.hist) + ", " + flag(v.diff) +
-         (v.list ? std::string() : std::string(", ") + flag(v.binades)) + ">";
+         (v.list ? std::string() : std::string(", ") + flag(v.binades) + ", " + flag(v.top)) + ">";
 }
 
 // For example "bfloat16-list-full-hist" (bins per block), "float32-basic-threadhist" or
-// "float16-full-binades".
+// "float16-full-binades-top".
 inline std::string variant_label(const KernelVariant& v) {
   constexpr const char* kDtypes[] = {"float32", "float64", "float16", "bfloat16"};
   std::string label = kDtypes[v.dtype];
@@ -34,6 +34,7 @@ inline std::string variant_label(const KernelVariant& v) {
   if (v.hist == kBinsPerBlock) label += "-hist";
   if (v.diff) label += "-diff";
   if (v.binades) label += "-binades";
+  if (v.top) label += "-top";
   return label;
 }
 

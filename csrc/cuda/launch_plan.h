@@ -113,8 +113,9 @@ void for_each_table(const T* const* x, const T* const* base, const int64_t* n, c
 
 // Which kernel a launch runs: accumulate_stats_kernel or, for a list, accumulate_list_kernel,
 // instantiated for a dtype (its dtype_position), the statistics asked for, how a histogram of
-// `bins` bins is counted (kernel_layout.h) and whether binades are. With a base (diff), every
-// statistic is; binades only by accumulate_stats_kernel of values, not of a difference.
+// `bins` bins is counted (kernel_layout.h) and whether binades and top_k are. With a base
+// (diff), every statistic is; binades and top_k only by accumulate_stats_kernel of values, not of
+// a difference.
 struct KernelVariant {
   int dtype;
   bool list;
@@ -122,13 +123,15 @@ struct KernelVariant {
   int hist;
   bool diff;
   bool binades;
+  bool top;
 };
 
 inline KernelVariant variant_of(int dtype, bool list, bool full, int64_t bins, bool diff,
-                                bool binades) {
+                                bool binades, bool top) {
   const int hist =
       bins == 0 ? kNoHistogram : (bins <= kThreadBins ? kBinsPerThread : kBinsPerBlock);
-  return {dtype, list, full || diff, hist, diff, binades && !list && !diff};
+  const bool values = !list && !diff;
+  return {dtype, list, full || diff, hist, diff, binades && values, top && values};
 }
 
 // float64 values are summed in double, every other dtype in float (Accumulator).

@@ -25,15 +25,16 @@ struct OperatorHost {
 
   // One launch of the kernel for T on `stream`, over x (minus base, when given).
   template <typename T>
-  static void launch(const Tensor& x, const Tensor* base, const Buffers& buffers, bool full,
-                     Stream stream, int device) {
+  static void launch(const Tensor& x, const Tensor* base, const Buffers& buffers,
+                     const TopBuffers& top, bool full, Stream stream, int device) {
     const T* p = static_cast<const T*>(x.const_data_ptr());
     const T* b = base != nullptr ? static_cast<const T*>(base->const_data_ptr()) : nullptr;
     const int64_t n = x.numel();
-    const KernelVariant kernel = variant_of(dtype_position(dtype_of(x)), false, full, buffers.bins,
-                                            b != nullptr, buffers.binades != nullptr);
+    const KernelVariant kernel =
+        variant_of(dtype_position(dtype_of(x)), false, full, buffers.bins, b != nullptr,
+                   buffers.binades != nullptr, top.rows != nullptr);
     const LaunchPlan plan = plan_launch(p, b, n, Device::resident_blocks(kernel, device));
-    Device::launch(kernel, plan.blocks, stream, device, p, b, n, plan.head, buffers);
+    Device::launch(kernel, plan.blocks, stream, device, p, b, n, plan.head, buffers, top);
   }
 
   // Tensors of one dtype, read in place or as copies, and their slots.
@@ -57,8 +58,8 @@ struct OperatorHost {
       n.push_back(group.x[i].numel());
     }
     const bool diff = !group.base.empty();
-    const KernelVariant kernel =
-        variant_of(dtype_position(dtype_of(group.x[0])), true, full, buffers.bins, diff, false);
+    const KernelVariant kernel = variant_of(dtype_position(dtype_of(group.x[0])), true, full,
+                                            buffers.bins, diff, false, false);
     const int64_t resident = Device::resident_blocks(kernel, device);
     for_each_table(x.data(), diff ? base.data() : nullptr, n.data(), group.slot.data(),
                    static_cast<int64_t>(x.size()), resident, [&](const TensorTable& table) {
@@ -76,14 +77,24 @@ struct OperatorHost {
     int64_t bins;
   };
 
-  static Call prepare(const Tensor& workspace, const Tensor& hist, int device) {
-    FASTHOOKS_CHECK(dtype_of(workspace) == ScalarType::Double && workspace.is_contiguous() &&
-                        workspace.numel() == kWorkspaceDoubles,
-                    "accumulate_stats: workspace must be a zeroed contiguous float64 tensor of ",
-                    kWorkspaceDoubles,
-                    " elements on CUDA (fasthooks.layout.CUDA_WORKSPACE_DOUBLES), "
-                    "got ",
-                    workspace.scalar_type(), " of shape ", shape_of(workspace));
+  // The k the workspace has room for (kernel_layout.h, workspace_doubles), or -1.
+  static int64_t top_room(const Tensor& workspace) {
+    for (int64_t k = 0; k <= kMaxTopK; ++k) {
+      if (workspace.numel() == workspace_doubles(k)) return k;
+    }
+    return -1;
+  }
+
+  // A call keeping top_k pairs (0: none) needs a workspace with room for them; one with room for
+  // more serves any call of its run.
+  static Call prepare(const Tensor& workspace, const Tensor& hist, int device, int64_t top_k) {
+    const int64_t room = top_room(workspace);
+    FASTHOOKS_CHECK(
+        dtype_of(workspace) == ScalarType::Double && workspace.is_contiguous() && room >= top_k,
+        "accumulate_stats: workspace must be a zeroed contiguous float64 tensor of ",
+        workspace_doubles(top_k),
+        " elements on CUDA (fasthooks.layout.cuda_workspace_doubles(top_k=", top_k, ")), got ",
+        workspace.scalar_type(), " of shape ", shape_of(workspace));
     const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
     FASTHOOKS_CHECK(bins <= kMaxBins, "accumulate_stats: at most ", kMaxBins, " bins on CUDA, got ",
                     bins);
@@ -114,12 +125,11 @@ struct OperatorHost {
     const bool full = check_accumulate_args(x, state, stats, extra, hist, &binades, workspace,
                                             cursor, slot, hist_min, hist_max);
     check_top(top, x, state, channel_dim);
-    FASTHOOKS_CHECK(top.numel() == 0,
-                    "accumulate_stats: top_k is not computed by the CUDA kernels yet");
+    const int64_t top_k = top.numel() > 0 ? top.size(2) : 0;
     const bool ordered = check_call_order(order, clock, state);
     const int device = x.get_device_index();
     const typename Device::Guard guard(device);
-    const Call call = prepare(workspace, hist, device);
+    const Call call = prepare(workspace, hist, device, top_k);
     if (x.numel() == 0) return;
     Buffers buffers = buffers_of(state, stats, extra, hist, cursor, slot, full, call, near_zero,
                                  hist_min, hist_max);
@@ -129,8 +139,17 @@ struct OperatorHost {
       buffers.clock = static_cast<unsigned long long*>(clock.mutable_data_ptr());
     }
     const Tensor dense = dense_values(x);
+    TopBuffers top_buffers{};
+    if (top_k > 0) {
+      top_buffers.rows = static_cast<double*>(top.mutable_data_ptr());
+      top_buffers.lists =
+          call.workspace + kWorkspaceDoubles + call.region * top_region_doubles(top_k);
+      top_buffers.k = top_k;
+      top_buffers.channels = channel_map(dense, channel_dim);
+    }
     dispatch_dtype(dtype_of(dense), [&](auto tag) {
-      launch<typename decltype(tag)::type>(dense, nullptr, buffers, full, call.stream, device);
+      launch<typename decltype(tag)::type>(dense, nullptr, buffers, top_buffers, full, call.stream,
+                                           device);
     });
   }
 
@@ -155,7 +174,7 @@ struct OperatorHost {
     }
     const int device = state.get_device_index();
     const typename Device::Guard guard(device);
-    const Call call = prepare(workspace, hist, device);
+    const Call call = prepare(workspace, hist, device, 0);
     const Buffers buffers =
         buffers_of(state, stats, extra, hist, cursor, 0, full, call, near_zero, hist_min, hist_max);
     for (const Group& group : groups) {

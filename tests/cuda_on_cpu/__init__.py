@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fasthooks.layout import AccumulateArgs
+from fasthooks.layout import AccumulateArgs, cuda_workspace_doubles
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -149,12 +149,14 @@ def region_of(workspace: torch.Tensor | int, stream: int, capturing: bool = Fals
     return region
 
 
-def workspace_for(state: torch.Tensor) -> torch.Tensor:
-    """A zeroed CUDA workspace that lives as long as `state` (CPU buffers have an empty one)."""
+def workspace_for(state: torch.Tensor, top_k: int = 0) -> torch.Tensor:
+    """A zeroed CUDA workspace that lives as long as `state` (CPU buffers have an empty one), with
+    room for `top_k` pairs per block (`fasthooks.layout.cuda_workspace_doubles`)."""
     key = id(state)
-    if key not in _workspaces:
-        _workspaces[key] = torch.zeros(workspace_doubles(), dtype=torch.float64)
-        weakref.finalize(state, _workspaces.pop, key, None)
+    if key not in _workspaces or len(_workspaces[key]) < cuda_workspace_doubles(top_k):
+        if key not in _workspaces:
+            weakref.finalize(state, _workspaces.pop, key, None)
+        _workspaces[key] = torch.zeros(cuda_workspace_doubles(top_k), dtype=torch.float64)
     return _workspaces[key]
 
 
@@ -186,7 +188,8 @@ def accumulate(
     the emulation saw a rule of CUDA broken."""
     call = AccumulateArgs(*args, **options)
     if call.workspace.numel() == 0:
-        call = call._replace(workspace=workspace_for(call.state))
+        top_k = call.top.shape[2] if call.top.numel() > 0 else 0
+        call = call._replace(workspace=workspace_for(call.state, top_k))
     if base is None:
         _run("accumulate_stats", *call, stream=stream, resident=resident)
         return

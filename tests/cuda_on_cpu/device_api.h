@@ -41,6 +41,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define FASTHOOKS_NOINLINE __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __grid_constant__
 #define __align__(n) alignas(n)
@@ -369,6 +370,7 @@ inline unsigned __double2uint_rz(double v) { return saturated_unsigned(v); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline unsigned __float_as_uint(float v) { return std::bit_cast<unsigned>(v); }
 inline long long __double_as_longlong(double v) { return std::bit_cast<long long>(v); }
+inline double __longlong_as_double(long long v) { return std::bit_cast<double>(v); }
 inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
   return std::atomic_ref<unsigned>(*p).fetch_add(v);
@@ -376,7 +378,15 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
   return std::atomic_ref<unsigned long long>(*p).fetch_add(v);
 }
+inline unsigned atomicCAS(unsigned* p, unsigned compare, unsigned v) {
+  std::atomic_ref<unsigned>(*p).compare_exchange_strong(compare, v);
+  return compare;
+}
+inline unsigned atomicExch(unsigned* p, unsigned v) {
+  return std::atomic_ref<unsigned>(*p).exchange(v);
+}
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 // A load that bypasses L1: here, a load no compiler may cache or tear.
 inline double __ldcg(const double* p) {
   return std::atomic_ref<double>(*const_cast<double*>(p)).load(std::memory_order_relaxed);

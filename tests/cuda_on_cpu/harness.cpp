@@ -72,13 +72,14 @@ struct Emulated {
         using Acc = typename Accumulator<T>::type;
         constexpr bool kFull = decltype(full)::value, kDiff = decltype(diff)::value;
         constexpr int kHist = decltype(hist)::value;
-        // Binades only of values (variant_of): a kernel of a difference has none to instantiate.
+        // Binades and top_k only of values (variant_of): a kernel of a difference has neither.
         if constexpr (kDiff) {
-          f(accumulate_stats_kernel<T, Acc, kFull, kHist, kDiff, false>);
-        } else if (v.binades) {
-          f(accumulate_stats_kernel<T, Acc, kFull, kHist, kDiff, true>);
+          f(accumulate_stats_kernel<T, Acc, kFull, kHist, kDiff, false, false>);
         } else {
-          f(accumulate_stats_kernel<T, Acc, kFull, kHist, kDiff, false>);
+          with_extras(v, [&](auto binades, auto top) {
+            f(accumulate_stats_kernel<T, Acc, kFull, kHist, kDiff, decltype(binades)::value,
+                                      decltype(top)::value>);
+          });
         }
       });
     }
@@ -93,6 +94,16 @@ struct Emulated {
       if (v.full) return f(Yes{}, hist, No{});
       f(No{}, hist, No{});
     });
+  }
+
+  template <typename F>
+  static void with_extras(const KernelVariant& v, F&& f) {
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (v.binades && v.top) return f(Yes{}, Yes{});
+    if (v.binades) return f(Yes{}, No{});
+    if (v.top) return f(No{}, Yes{});
+    f(No{}, No{});
   }
 
   template <typename F>
