@@ -30,7 +30,13 @@ BUILDS = ("default", "avx2", "avx512", "avx512_gfni")
 EMULATED = {"Haswell": "avx2", "Nehalem": "default"}
 # qemu 7.2 miscomputes some AVX2 code (histogram bins of values on the edges); 10.0 does not.
 MIN_QEMU = 8
-TEST_FILES = ("test_operator.py", "test_extras.py", "test_isa.py")
+TEST_FILES = (
+    "test_operator.py",
+    "test_extras.py",
+    "test_isa.py",
+    "test_binades.py",
+    "test_top_k.py",
+)
 # On aarch64 the wheel is the installed one: its checks run there too.
 AARCH64_TEST_FILES = (*TEST_FILES, "test_extension.py")
 

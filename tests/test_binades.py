@@ -78,7 +78,7 @@ def recorded_binades(accumulate, x: torch.Tensor, calls: int = 1) -> torch.Tenso
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [1, 7, 1000, 300_000])
+@pytest.mark.parametrize("n", [1, 7, pytest.param(1000, marks=pytest.mark.isa), 300_000])
 @pytest.mark.parametrize("accumulate", ACCUMULATORS.values(), ids=ACCUMULATORS.keys())
 def test_binades_count_every_value_by_its_exponent(accumulate, n, dtype):
     x = wide_values(n, dtype)
