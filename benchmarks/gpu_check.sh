@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# On a CUDA machine, in at most 8 minutes: install the wheel `make wheel` built (dist/, for this
+# On a CUDA machine, in at most 9 minutes: install the wheel `make wheel` built (dist/, for this
 # machine's platform), time the first use of its CUDA kernels, run the CUDA tests (CUDA graphs and
 # two streams among them), then the CUDA benchmarks (the operator against torch.sum beside the
-# SASS prediction, a training step, ParameterStats, the non-finite guard). Each stage has a time
-# limit and a failing stage does not stop the next. Everything lands in OUT_DIR/results.md, one
-# section per stage with its status and the end of its output. Uses the python3 on PATH (or
-# $PYTHON), which must have a CUDA build of torch, pytest, pytest-xdist, hypothesis, numpy,
-# scikit-learn and tqdm (what the tests and benchmarks import). Python runs with
-# -P, so that the installed package is the one imported, not the source tree.
+# SASS prediction, the binades extra and top_k, a training step, ParameterStats, the non-finite
+# guard). Each stage has a time limit and a failing stage does not stop the next. Everything
+# lands in OUT_DIR/results.md, one section per stage with its status and the end of its output.
+# Uses the python3 on PATH (or $PYTHON), which must have a CUDA build of torch, pytest,
+# pytest-xdist, hypothesis, numpy, scikit-learn and tqdm (what the tests and benchmarks import).
+# Python runs with -P, so that the installed package is the one imported, not the source tree.
 #   benchmarks/gpu_check.sh OUT_DIR
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
@@ -71,6 +71,11 @@ done
 # Each kernel's time over torch.sum beside what docs/cuda.md's count of its SASS predicts.
 stage FILE="$scratch/roofline.md" roofline 15 "$python" -P benchmarks/roofline_vs_measured.py \
   "$scratch"/op_*/results.json --out "$scratch/roofline.md"
+
+# The binades extra and top_k beside every other extra, torch.sum and the hand-rolled hooks.
+stage FILE="$scratch/low_precision/results.md" low_precision 30 "$python" -P \
+  benchmarks/low_precision.py --device cuda --numel 67108864 --rounds 5 \
+  --out "$scratch/low_precision"
 
 stage FILE="$scratch/step/results.md" training_step 45 "$python" -P \
   benchmarks/gpu_training_step.py --steps 10 --rounds 3 --out "$scratch/step"

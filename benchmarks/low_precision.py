@@ -6,7 +6,7 @@ same answers (`torch.histc` of `log2|x|`, the `frexp` + `bincount` a careful one
 channels) for the channels. Ratios are against `torch.sum` in the same run.
 
     python benchmarks/low_precision.py [--numel 4194304] [--dtypes float32 bfloat16]
-        [--rounds 7] [--out DIR]
+        [--rounds 7] [--device cpu] [--out DIR]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import torch
-from timing import interleaved, machine_line, markdown_table, report
+from timing import interleaved, machine_line, markdown_table, report, synchronised
 
 from fasthooks.buffers import StatBuffers
 from fasthooks.ops import accumulate_stats, extension_available
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=1 << 22)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not extension_available():
@@ -62,6 +63,7 @@ def main() -> None:
             getattr(torch, name)
         )
         x = x.reshape(-1, CHANNELS) if args.numel % CHANNELS == 0 else x
+        x = x.to(args.device)
         variants = {
             "torch.sum": lambda x=x: x.sum(),
             "mean and std": fused(x, binades=False, full=False),
@@ -74,6 +76,7 @@ def main() -> None:
             "hand-rolled: frexp + bincount": hand_rolled_frexp(x),
             "hand-rolled: topk of abs() (k=16)": hand_rolled_topk(x),
         }
+        variants = {v: synchronised(fn, args.device) for v, fn in variants.items()}
         timings = interleaved(variants, rounds=args.rounds, calls=3)
         floor = timings["torch.sum"].median
         results[name] = {v: t.as_dict() for v, t in timings.items()}
@@ -84,7 +87,8 @@ def main() -> None:
                  f"{timing.median / floor:.2f}"]
             )  # fmt: skip
     text = (
-        f"{machine_line()}; {args.numel:,} values, median of {args.rounds} rounds\n\n"
+        f"{machine_line() if args.device == 'cpu' else torch.cuda.get_device_name()}; "
+        f"{args.numel:,} values, median of {args.rounds} rounds\n\n"
         + markdown_table(["dtype", "variant", "ms", "GB/s read", "x torch.sum"], rows)
         + "\n"
     )

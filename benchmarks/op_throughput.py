@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from fastai_reference import fastai_v1_hook, fastai_v2_hook_with_hist
-from timing import geometric_mean, interleaved, machine_line, markdown_table
+from timing import geometric_mean, interleaved, machine_line, markdown_table, synchronised
 from torch import nn
 from tqdm import tqdm
 
@@ -33,17 +33,6 @@ SIZES_MB = [1, 2, 4, 8, 16, 32, 64, 128, 200]
 ACTIVATIONS = [((64, 64, 28, 28), False), ((64, 64, 56, 56), False), ((64, 64, 28, 28), True)]
 # The three fused variants: (every extra, histogram bins).
 MODES = {"mean+std": (False, 0), "every extra": (True, 0), "every extra + hist": (True, 40)}
-
-
-def _synchronised(fn, device: str):
-    if device == "cpu":
-        return fn
-
-    def call():
-        fn()
-        torch.cuda.synchronize()
-
-    return call
 
 
 def _calls_for(nbytes: int) -> int:
@@ -63,9 +52,9 @@ def sum_vs_fused(device: str, dtype: torch.dtype, sizes_mb: list[int], rounds: i
     rows = []
     for mb in tqdm(sizes_mb, desc="torch.sum vs fused", unit="size"):
         x = torch.randn(mb * 2**20 // dtype.itemsize, device=device).to(dtype)
-        variants = {"torch.sum": _synchronised(lambda x=x: x.sum(), device)}
+        variants = {"torch.sum": synchronised(lambda x=x: x.sum(), device)}
         for mode, record in fused.items():
-            variants[mode] = _synchronised(lambda x=x, record=record: record(x), device)
+            variants[mode] = synchronised(lambda x=x, record=record: record(x), device)
         timings = interleaved(variants, rounds=rounds, calls=_calls_for(x.nbytes))
         sum_s = timings["torch.sum"].median
         rows.append(
@@ -96,10 +85,10 @@ def against_fastai(device: str, rounds: int) -> list[dict]:
         if relu:
             x = x.relu()
         variants = {name: (lambda x=x, f=f: f(x)) for name, f in FASTAI_VARIANTS.items()}
-        variants["python mean+std"] = _synchronised(lambda x=x: python(x), device)
+        variants["python mean+std"] = synchronised(lambda x=x: python(x), device)
         for mode, record in fused.items():
-            variants[f"fused {mode}"] = _synchronised(lambda x=x, r=record: r(x), device)
-        variants["torch.sum"] = _synchronised(lambda x=x: x.sum(), device)
+            variants[f"fused {mode}"] = synchronised(lambda x=x, r=record: r(x), device)
+        variants["torch.sum"] = synchronised(lambda x=x: x.sum(), device)
         timings = interleaved(variants, rounds=rounds, calls=_calls_for(x.nbytes))
         ms = {name: t.median * 1e3 for name, t in timings.items()}
         rows.append(
@@ -128,10 +117,10 @@ def hooked_call_cost(device: str, rounds: int) -> dict:
     record = _recorder(accumulate_stats, "mean+std", device)
     timings = interleaved(
         {
-            "plain": _synchronised(lambda: plain(x), device),
-            "hooked": _synchronised(lambda: hooked(x), device),
-            "left out": _synchronised(lambda: skipping(x), device),
-            "op alone": _synchronised(lambda: record(x), device),
+            "plain": synchronised(lambda: plain(x), device),
+            "hooked": synchronised(lambda: hooked(x), device),
+            "left out": synchronised(lambda: skipping(x), device),
+            "op alone": synchronised(lambda: record(x), device),
         },
         rounds=5 * rounds,  # short rounds, many of them: the best one is the quiet one
         calls=500,

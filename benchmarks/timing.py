@@ -46,6 +46,20 @@ def time_call(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def synchronised(fn: Callable[[], object], device: str) -> Callable[[], object]:
+    """`fn`, waiting for the GPU after each call on a CUDA device (so that a call's time is its
+    work's, not its launch's)."""
+    if device == "cpu":
+        return fn
+    import torch
+
+    def call() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return call
+
+
 def interleaved(
     variants: dict[str, Callable[[], object]],
     rounds: int,

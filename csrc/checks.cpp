@@ -231,7 +231,8 @@ CheckedList check_list(const std::vector<Tensor>& xs, const std::vector<Tensor>&
   return checked;
 }
 
-void check_top(const Tensor& top, const Tensor& x, const Tensor& state, int64_t channel_dim) {
+void check_top(const Tensor& top, const Tensor& x, const Tensor& state, int64_t channel_dim,
+               int64_t channel_offset) {
   if (top.numel() == 0) return;
   FASTHOOKS_CHECK(top.dim() == 4 && top.size(2) >= 1 && top.size(2) <= kMaxTopK,
                   "accumulate_stats: top must have shape (modules, batches, k, 2) with k in [1, ",
@@ -244,14 +245,16 @@ void check_top(const Tensor& top, const Tensor& x, const Tensor& state, int64_t 
   FASTHOOKS_CHECK(channel_dim >= -dims && channel_dim < dims,
                   "accumulate_stats: channel_dim must be in [", -dims, ", ", dims,
                   ") for x of shape ", shape_of(x), ", got ", channel_dim);
+  FASTHOOKS_CHECK(channel_offset >= 0, "accumulate_stats: channel_offset must be at least 0, got ",
+                  channel_offset);
 }
 
-ChannelMap channel_map(const Tensor& dense, int64_t channel_dim) {
-  if (dense.dim() == 0) return {1, 1};
+ChannelMap channel_map(const Tensor& dense, int64_t channel_dim, int64_t channel_offset) {
+  if (dense.dim() == 0) return {1, 1, channel_offset};
   const int64_t dim = channel_dim < 0 ? channel_dim + dense.dim() : channel_dim;
   const int64_t size = dense.size(dim);
   // A dimension of one channel may have any stride; every position is its channel 0.
-  return {size > 1 ? dense.stride(dim) : 1, size > 0 ? size : 1};
+  return {size > 1 ? dense.stride(dim) : 1, size > 0 ? size : 1, channel_offset};
 }
 
 bool check_call_order(const Tensor& order, const Tensor& clock, const Tensor& state) {

@@ -103,11 +103,13 @@ bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& s
 // The top buffer (top.h): empty keeps none; else float64 (modules, batches, k, 2) for k in
 // [1, kMaxTopK] on the state's device, with channel_dim a dimension of x (negative from the end;
 // 0 or -1 for a 0-d x).
-void check_top(const Tensor& top, const Tensor& x, const Tensor& state, int64_t channel_dim);
+// channel_offset, where channel 0 of x lies in a whole tensor, at least 0.
+void check_top(const Tensor& top, const Tensor& x, const Tensor& state, int64_t channel_dim,
+               int64_t channel_offset);
 
 // Where the channels of a dense tensor (dense_values) lie in its memory order, along
-// channel_dim (checked by check_top); one channel for a 0-d tensor.
-ChannelMap channel_map(const Tensor& dense, int64_t channel_dim);
+// channel_dim from channel_offset (checked by check_top); one channel for a 0-d tensor.
+ChannelMap channel_map(const Tensor& dense, int64_t channel_dim, int64_t channel_offset);
 
 // The call-order buffer and the call clock (stats.h, note_call_order): an empty order keeps none;
 // else int64 (2, modules, batches) beside a one-element int64 clock, both on the state's device.

@@ -44,11 +44,13 @@ C10_HOST_DEVICE inline void offer_top(TopPair* list, int k, const TopPair& p) {
 
 // The channel of the value at position i of a tensor read in memory order, for a channel
 // dimension of `size` channels `stride` elements apart: every dense layout (contiguous, channels
-// last, any permutation) holds coordinate (i / stride) % size along that dimension.
+// last, any permutation) holds coordinate (i / stride) % size along that dimension, counted from
+// `offset` (where a DTensor's local piece starts in the whole tensor).
 struct ChannelMap {
   int64_t stride;
   int64_t size;
-  C10_HOST_DEVICE int64_t channel(int64_t i) const { return (i / stride) % size; }
+  int64_t offset;
+  C10_HOST_DEVICE int64_t channel(int64_t i) const { return (i / stride) % size + offset; }
 };
 
 }  // namespace fasthooks

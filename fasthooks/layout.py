@@ -105,7 +105,7 @@ class AccumulateArgs(NamedTuple):
         >>> names = "x state stats extra hist binades top workspace order clock cursor".split()
         >>> AccumulateArgs(*names, 0)
         ... # doctest: +ELLIPSIS
-        AccumulateArgs(x='x', ..., slot=0, near_zero=0.05, hist_min=0.0, ..., channel_dim=-1)
+        AccumulateArgs(x='x', ..., slot=0, near_zero=0.05, hist_min=0.0, ..., channel_offset=0)
     """
 
     x: torch.Tensor
@@ -124,6 +124,7 @@ class AccumulateArgs(NamedTuple):
     hist_min: float = 0.0
     hist_max: float = 10.0
     channel_dim: int = -1
+    channel_offset: int = 0
 
 
 # The operator's tensor arguments; its scalars follow.

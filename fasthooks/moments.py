@@ -328,7 +328,7 @@ def accumulate_stats_python(*args: object, **options: float) -> None:
         counts = binade_counts(x).to(torch.int32)
         binades[slot].index_add_(0, cursor.reshape(1), counts.unsqueeze(0))
     if call is not None and top.numel() > 0:
-        _merge_top(x, top, cursor, slot, args.channel_dim)
+        _merge_top(x, top, cursor, slot, args.channel_dim, args.channel_offset)
     if call is not None and order.numel() > 0:
         note_call_order(order, clock, cursor, slot, call)
 
@@ -369,9 +369,15 @@ def _merge_into_slot(
 
 
 def _merge_top(
-    x: torch.Tensor, top: torch.Tensor, cursor: torch.Tensor, slot: int, channel_dim: int
+    x: torch.Tensor,
+    top: torch.Tensor,
+    cursor: torch.Tensor,
+    slot: int,
+    channel_dim: int,
+    channel_offset: int,
 ) -> None:
-    """The top pairs of x (`top_of`, channels along `channel_dim`) merged into the slot's."""
+    """The top pairs of x (`top_of`, channels along `channel_dim` counted from
+    `channel_offset`) merged into the slot's."""
     if x.dim() > 0 and not -x.dim() <= channel_dim < x.dim():
         raise ValueError(
             f"accumulate_stats: channel_dim must be in [{-x.dim()}, {x.dim()}) for x of shape "
@@ -380,7 +386,7 @@ def _merge_top(
     values = x.detach().reshape(-1).double()
     column = cursor.reshape(1)
     held = top[slot].index_select(0, column)[0]
-    merged = merged_top(held, values, channel_of_each(x, channel_dim))
+    merged = merged_top(held, values, channel_of_each(x, channel_dim) + channel_offset)
     top[slot].index_copy_(0, column, merged.unsqueeze(0))
 
 

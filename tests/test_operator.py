@@ -405,6 +405,22 @@ def test_argument_errors_name_the_argument():
         ):
             call(x, state, stats, extra, hist, binades, wrong, workspace, order, clock, cursor, 0)
     topped = torch.full((2, 4, 3, 2), float("nan"), dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="channel_offset must be at least 0, got -1"):
+        ops.accumulate_stats(
+            x,
+            state,
+            stats,
+            extra,
+            hist,
+            binades,
+            topped,
+            workspace,
+            order,
+            clock,
+            cursor,
+            0,
+            channel_offset=-1,
+        )
     with pytest.raises(
         RuntimeError,
         match=r"channel_dim must be in \[-1, 1\) for x of shape "
@@ -552,9 +568,15 @@ def test_hundred_million_elements(backend):
 def test_the_python_declaration_of_the_arguments_is_the_schemas():
     schema = torch.ops.fasthooks.accumulate_stats.default._schema
     assert [a.name for a in schema.arguments] == list(AccumulateArgs._fields)
-    defaults = {"near_zero": 0.05, "hist_min": 0.0, "hist_max": 10.0, "channel_dim": -1}
+    defaults = {
+        "near_zero": 0.05,
+        "hist_min": 0.0,
+        "hist_max": 10.0,
+        "channel_dim": -1,
+        "channel_offset": 0,
+    }
     assert AccumulateArgs._field_defaults == defaults
-    assert [a.default_value for a in schema.arguments[-4:]] == list(defaults.values())
+    assert [a.default_value for a in schema.arguments[-2:]] == [-1, 0]
 
 
 @FUSED

@@ -64,6 +64,18 @@ def test_the_fused_top_is_the_python_backends_bit_for_bit(dtype):
             assert torch.equal(got.signbit(), want.signbit()), (name, k)  # -0.0 kept as such
 
 
+@pytest.mark.parametrize(
+    "accumulate", [accumulate_stats_python, ops.accumulate_stats][: 1 + FUSED_OK]
+)
+def test_channels_count_from_the_channel_offset(accumulate):
+    x = _awkward((3, 10), torch.float32, 6)
+    b = StatBuffers(1, 1, "cpu", full=False, hist_bins=0, top_k=4)
+    accumulate(x, *b.op_args(), 0, channel_dim=1, channel_offset=30)
+    want = _top(accumulate_stats_python, [x], 4, 1)
+    assert torch.equal(b.top[0, 0, :, 1], want[:, 1] + 30)
+    assert torch.equal(b.top[0, 0, :, 0], want[:, 0])
+
+
 def _by_sorting(values: list[float], channels: list[int], k: int) -> list[tuple[float, int]]:
     """The order top_of documents, by Python's sort."""
     pairs = [(v, c) for v, c in zip(values, channels, strict=True) if not math.isnan(v)]

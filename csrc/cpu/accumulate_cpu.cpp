@@ -385,15 +385,16 @@ void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& st
                           const Tensor& extra, const Tensor& hist, const Tensor& binades,
                           const Tensor& top, const Tensor& workspace, const Tensor& order,
                           const Tensor& clock, const Tensor& cursor, int64_t slot, double near_zero,
-                          double hist_min, double hist_max, int64_t channel_dim) {
+                          double hist_min, double hist_max, int64_t channel_dim,
+                          int64_t channel_offset) {
   const bool full = check_accumulate_args(x, state, stats, extra, hist, &binades, workspace, cursor,
                                           slot, hist_min, hist_max);
-  check_top(top, x, state, channel_dim);
+  check_top(top, x, state, channel_dim, channel_offset);
   const bool ordered = check_call_order(order, clock, state);
   const Tensor dense = dense_values(x);
   const Stats call = accumulate_one(dense, nullptr, state, stats, extra, hist, &binades, &top,
-                                    channel_map(dense, channel_dim), cursor, slot, full, near_zero,
-                                    hist_min, hist_max);
+                                    channel_map(dense, channel_dim, channel_offset), cursor, slot,
+                                    full, near_zero, hist_min, hist_max);
   if (ordered && call.count > 0) note_order(order, clock, cursor, slot, full, call);
 }
 
@@ -405,7 +406,7 @@ void accumulate_stats_list_cpu(std::vector<Tensor> xs, std::vector<Tensor> bases
       check_list(xs, bases, state, stats, extra, hist, workspace, cursor, hist_min, hist_max);
   for (size_t i = 0; i < list.xs.size(); ++i) {
     accumulate_one(list.xs[i], list.bases.empty() ? nullptr : &list.bases[i], state, stats, extra,
-                   hist, nullptr, nullptr, ChannelMap{1, 1}, cursor, static_cast<int64_t>(i),
+                   hist, nullptr, nullptr, ChannelMap{1, 1, 0}, cursor, static_cast<int64_t>(i),
                    list.full, near_zero, hist_min, hist_max);
   }
 }

@@ -121,10 +121,10 @@ struct OperatorHost {
                                const Tensor& top, const Tensor& workspace, const Tensor& order,
                                const Tensor& clock, const Tensor& cursor, int64_t slot,
                                double near_zero, double hist_min, double hist_max,
-                               int64_t channel_dim) {
+                               int64_t channel_dim, int64_t channel_offset) {
     const bool full = check_accumulate_args(x, state, stats, extra, hist, &binades, workspace,
                                             cursor, slot, hist_min, hist_max);
-    check_top(top, x, state, channel_dim);
+    check_top(top, x, state, channel_dim, channel_offset);
     const int64_t top_k = top.numel() > 0 ? top.size(2) : 0;
     const bool ordered = check_call_order(order, clock, state);
     const int device = x.get_device_index();
@@ -145,7 +145,7 @@ struct OperatorHost {
       top_buffers.lists =
           call.workspace + kWorkspaceDoubles + call.region * top_region_doubles(top_k);
       top_buffers.k = top_k;
-      top_buffers.channels = channel_map(dense, channel_dim);
+      top_buffers.channels = channel_map(dense, channel_dim, channel_offset);
     }
     dispatch_dtype(dtype_of(dense), [&](auto tag) {
       launch<typename decltype(tag)::type>(dense, nullptr, buffers, top_buffers, full, call.stream,
