@@ -64,6 +64,10 @@ def _upgrade(saved: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
     }
 
 
+# Settings added after states were first saved, and the value an older state had.
+ADDED_SETTINGS = {"top_k": 0, "channel_dim": None}
+
+
 def checked(
     saved: dict[str, Any], recorder: str, settings: dict[str, Any], kinds: list[str]
 ) -> dict[str, Any]:
@@ -79,7 +83,7 @@ def checked(
     if current["recorder"] != recorder:
         raise ValueError(f"state_dict: saved by {current['recorder']}, not by {recorder}")
     for key, want in settings.items():
-        got = current["settings"].get(key)
+        got = current["settings"].get(key, ADDED_SETTINGS.get(key))
         if got != want:
             raise ValueError(
                 f"state_dict: saved {key} {got!r} does not match this {recorder}' {want!r}"
