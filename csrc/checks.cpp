@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "binades.h"
+#include "channels.h"
 #include "histogram.h"
 #include "stats.h"
 
@@ -231,6 +232,22 @@ CheckedList check_list(const std::vector<Tensor>& xs, const std::vector<Tensor>&
   return checked;
 }
 
+namespace {
+
+// channel_dim a dimension of x and channel_offset at least 0; returns x's channel count.
+int64_t check_channel_args(const Tensor& x, int64_t channel_dim, int64_t channel_offset) {
+  const int64_t dims = x.dim() > 0 ? x.dim() : 1;
+  FASTHOOKS_CHECK(channel_dim >= -dims && channel_dim < dims,
+                  "accumulate_stats: channel_dim must be in [", -dims, ", ", dims,
+                  ") for x of shape ", shape_of(x), ", got ", channel_dim);
+  FASTHOOKS_CHECK(channel_offset >= 0, "accumulate_stats: channel_offset must be at least 0, got ",
+                  channel_offset);
+  if (x.dim() == 0) return 1;
+  return x.size(channel_dim < 0 ? channel_dim + x.dim() : channel_dim);
+}
+
+}  // namespace
+
 void check_top(const Tensor& top, const Tensor& x, const Tensor& state, int64_t channel_dim,
                int64_t channel_offset) {
   if (top.numel() == 0) return;
@@ -241,12 +258,24 @@ void check_top(const Tensor& top, const Tensor& x, const Tensor& state, int64_t 
   FASTHOOKS_CHECK(place_of(top) == place_of(state),
                   "accumulate_stats: top must be on the state's device ", device_of(state),
                   ", got ", device_of(top));
-  const int64_t dims = x.dim() > 0 ? x.dim() : 1;
-  FASTHOOKS_CHECK(channel_dim >= -dims && channel_dim < dims,
-                  "accumulate_stats: channel_dim must be in [", -dims, ", ", dims,
-                  ") for x of shape ", shape_of(x), ", got ", channel_dim);
-  FASTHOOKS_CHECK(channel_offset >= 0, "accumulate_stats: channel_offset must be at least 0, got ",
-                  channel_offset);
+  check_channel_args(x, channel_dim, channel_offset);
+}
+
+void check_channels(const Tensor& channels, const Tensor& x, const Tensor& state,
+                    int64_t channel_dim, int64_t channel_offset) {
+  if (channels.numel() == 0) return;
+  FASTHOOKS_CHECK(channels.dim() == 3,
+                  "accumulate_stats: channels must have shape (modules, ", kChannelPlanes,
+                  ", max_channels), got ", shape_of(channels));
+  check_buffer(channels, "channels", ScalarType::Double,
+               {state.size(1), kChannelPlanes, channels.size(2)});
+  FASTHOOKS_CHECK(place_of(channels) == place_of(state),
+                  "accumulate_stats: channels must be on the state's device ", device_of(state),
+                  ", got ", device_of(channels));
+  const int64_t size = check_channel_args(x, channel_dim, channel_offset);
+  FASTHOOKS_CHECK(channel_offset + size <= channels.size(2), "accumulate_stats: channels has room for ",
+                  channels.size(2), " channels, x of shape ", shape_of(x), " has ", size,
+                  " along channel_dim ", channel_dim, " from channel_offset ", channel_offset);
 }
 
 ChannelMap channel_map(const Tensor& dense, int64_t channel_dim, int64_t channel_offset) {

@@ -107,8 +107,15 @@ bool check_accumulate_args(const Tensor& x, const Tensor& state, const Tensor& s
 void check_top(const Tensor& top, const Tensor& x, const Tensor& state, int64_t channel_dim,
                int64_t channel_offset);
 
+// The running per-channel sums (channels.h): empty keeps none; else float64
+// (modules, kChannelPlanes, max_channels) on the state's device, with room for x's channels
+// along channel_dim from channel_offset (channel_dim and channel_offset as for check_top).
+void check_channels(const Tensor& channels, const Tensor& x, const Tensor& state,
+                    int64_t channel_dim, int64_t channel_offset);
+
 // Where the channels of a dense tensor (dense_values) lie in its memory order, along
-// channel_dim from channel_offset (checked by check_top); one channel for a 0-d tensor.
+// channel_dim from channel_offset (checked by check_top or check_channels); one channel for a
+// 0-d tensor.
 ChannelMap channel_map(const Tensor& dense, int64_t channel_dim, int64_t channel_offset);
 
 // The call-order buffer and the call clock (stats.h, note_call_order): an empty order keeps none;

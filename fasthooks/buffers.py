@@ -13,6 +13,7 @@ import torch
 
 from .layout import (
     BUFFERS,
+    CHANNEL_PLANES,
     COUNTED_EXTRAS,
     CUDA_DROPPED_CALLS,
     DERIVED_EXTRAS,
@@ -47,7 +48,8 @@ class StatBuffers:
     """Every buffer the operator writes for `num_modules` modules and `capacity` batch columns,
     as `layout.BUFFERS` declares them; with `ordered=False` no call order
     (`accumulate_stats_list`, which keeps none), with `binades=True` the binade counts, with
-    `top_k=k` the k values of largest magnitude and their channels.
+    `top_k=k` the k values of largest magnitude and their channels. `channels` (running
+    per-channel sums, not per column) starts empty: `resize_channels` gives it room.
 
     Examples:
         >>> b = StatBuffers(3, 8, "cpu", full=True, hist_bins=40)
@@ -88,6 +90,7 @@ class StatBuffers:
                 device=device,
             )
             self.clock = call_clock(device)
+            self.channels = torch.zeros(0, dtype=torch.float64, device=device)
             self._allocate(capacity, device)
 
     def _allocate(self, capacity: int, device: torch.device) -> None:
@@ -110,7 +113,7 @@ class StatBuffers:
         return {spec.name: getattr(self, spec.name) for spec in BUFFERS}
 
     def op_args(self) -> tuple[torch.Tensor, ...]:
-        """(state, stats, extra, hist, binades, top, workspace, order, clock, cursor):
+        """(state, stats, extra, hist, binades, top, channels, workspace, order, clock, cursor):
         `accumulate_stats`'s buffer arguments."""
         return (
             self.state,
@@ -119,6 +122,7 @@ class StatBuffers:
             self.hist,
             self.binades,
             self.top,
+            self.channels,
             self.workspace,
             self.order,
             self.clock,
@@ -129,6 +133,31 @@ class StatBuffers:
         """(state, stats, extra, hist, workspace, cursor): `accumulate_stats_list`'s, which keeps
         no call order, no binades and no top values."""
         return self.state, self.stats, self.extra, self.hist, self.workspace, self.cursor
+
+    @property
+    def max_channels(self) -> int:
+        """How many channels the running per-channel sums have room for (0: none kept)."""
+        return self.channels.shape[2] if self.channels.dim() == 3 else 0
+
+    def resize_channels(self, max_channels: int) -> None:
+        """Room for `max_channels` channels in the running per-channel sums, those so far kept."""
+        old = self.channels
+        with torch.inference_mode(False):
+            self.channels = torch.zeros(
+                self.num_modules,
+                len(CHANNEL_PLANES),
+                max_channels,
+                dtype=torch.float64,
+                device=old.device,
+            )
+        if old.dim() == 3:
+            kept = min(old.shape[2], max_channels)
+            self.channels[:, :, :kept].copy_(old[:, :, :kept])
+
+    def clear_channels(self) -> None:
+        """Start the running per-channel sums again (magnitudes are at least 0, so every plane
+        starts at 0)."""
+        self.channels.zero_()
 
     def grow(self) -> None:
         """Double the capacity, keeping every column."""
@@ -155,6 +184,7 @@ class StatBuffers:
         moved.cursor.copy_(self.cursor)
         for name, tensor in self.columned().items():
             getattr(moved, name).copy_(tensor)
+        moved.channels = self.channels.to(device)
         return moved
 
     def with_rows(self, rows: int) -> StatBuffers:
@@ -174,6 +204,9 @@ class StatBuffers:
             old = getattr(self, spec.name)
             if old.numel() > 0:  # the rows are the axis before the columns
                 getattr(grown, spec.name).narrow(spec.axis - 1, 0, self.num_modules).copy_(old)
+        if self.max_channels:
+            grown.resize_channels(self.max_channels)
+            grown.channels[: self.num_modules].copy_(self.channels)
         return grown
 
     def clear_column(self) -> None:

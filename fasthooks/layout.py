@@ -15,6 +15,11 @@ activations' device:
 - `top`, float64 `(modules, batches, k, 2)` with `top_k=k`, else empty: the k values of largest
   magnitude of each slot and their channels, as (value, channel) pairs in the order of
   `moments.top_of`; NaN pairs where a slot holds fewer than k values that are not NaN;
+- `channels`, float64 `(modules, len(CHANNEL_PLANES), max_channels)` with channel statistics,
+  else empty: not per batch but running sums over every call since they were last cleared, per
+  channel (the coordinate along the channel dimension, counted from the operator's
+  `channel_offset`): how many values, their sum, their sum of squares, their largest magnitude
+  (NaN once a NaN was seen) and how many have a magnitude above `near_zero`;
 - `order`, int64 `(len(ORDER_PLANES), modules, batches)`: the call order. Every hooked call of
   every run on a device advances that device's call clock (one int64, shared); a slot holds 1 +
   the clock of the module's first call in that batch whose values held a NaN or an infinity (0:
@@ -58,6 +63,10 @@ BINADE_ABOVE, BINADE_NONFINITE = BINADE_BINS - 2, BINADE_BINS - 1
 # `top_k` keeps at most this many values per slot.
 MAX_TOP_K = 16
 TOP_VALUE, TOP_CHANNEL = 0, 1
+# The running per-channel sums of the `channels` buffer, and the statistics read from them.
+CHANNEL_PLANES = ("count", "sum", "sum_sq", "absmax", "active")
+CHANNEL_COUNT, CHANNEL_SUM, CHANNEL_SUM_SQ, CHANNEL_ABSMAX, CHANNEL_ACTIVE = range(5)
+CHANNEL_STATS = ("absmax", "mean", "rms", "active")
 STATE_PLANES = ("count", "mean", "m2", "m3", "m4", "min", "max", "near_zero", "nonfinite")
 BASIC_PLANES = 3
 STATS_PLANES = ("mean", "std")
@@ -102,7 +111,8 @@ class AccumulateArgs(NamedTuple):
     options. Every backend's entry point takes these.
 
     Examples:
-        >>> names = "x state stats extra hist binades top workspace order clock cursor".split()
+        >>> names = "x state stats extra hist binades top channels workspace order clock".split()
+        >>> names.append("cursor")
         >>> AccumulateArgs(*names, 0)
         ... # doctest: +ELLIPSIS
         AccumulateArgs(x='x', ..., slot=0, near_zero=0.05, hist_min=0.0, ..., channel_offset=0)
@@ -115,6 +125,7 @@ class AccumulateArgs(NamedTuple):
     hist: torch.Tensor
     binades: torch.Tensor
     top: torch.Tensor
+    channels: torch.Tensor
     workspace: torch.Tensor
     order: torch.Tensor
     clock: torch.Tensor
@@ -128,7 +139,7 @@ class AccumulateArgs(NamedTuple):
 
 
 # The operator's tensor arguments; its scalars follow.
-TENSOR_ARGUMENTS = AccumulateArgs._fields[:11]
+TENSOR_ARGUMENTS = AccumulateArgs._fields[:12]
 
 
 class BufferSpec(NamedTuple):

@@ -17,6 +17,11 @@ from .layout import (
     BINADE_MIN,
     BINADE_NONFINITE,
     BINADE_ZERO,
+    CHANNEL_ABSMAX,
+    CHANNEL_ACTIVE,
+    CHANNEL_COUNT,
+    CHANNEL_SUM,
+    CHANNEL_SUM_SQ,
     COUNT,
     M2,
     M3,
@@ -320,7 +325,8 @@ def accumulate_stats_python(*args: object, **options: float) -> None:
         [2.0, 1.4142135381698608]
     """
     args = AccumulateArgs(*args, **options)
-    x, state, stats, extra, hist, binades, top, _, order, clock, cursor, slot = args[:12]
+    x, state, stats, extra, hist, binades, top, channels, _, order, clock, cursor = args[:12]
+    slot = args.slot
     call = _merge_into_slot(
         x, state, stats, extra, hist, cursor, slot, args.near_zero, args.hist_min, args.hist_max
     )
@@ -329,6 +335,8 @@ def accumulate_stats_python(*args: object, **options: float) -> None:
         binades[slot].index_add_(0, cursor.reshape(1), counts.unsqueeze(0))
     if call is not None and top.numel() > 0:
         _merge_top(x, top, cursor, slot, args.channel_dim, args.channel_offset)
+    if call is not None and channels.numel() > 0:
+        _add_channel_sums(x, channels[slot], args.channel_dim, args.channel_offset, args.near_zero)
     if call is not None and order.numel() > 0:
         note_call_order(order, clock, cursor, slot, call)
 
@@ -368,6 +376,63 @@ def _merge_into_slot(
     return call
 
 
+def _check_channel_dim(x: torch.Tensor, channel_dim: int) -> None:
+    if x.dim() > 0 and not -x.dim() <= channel_dim < x.dim():
+        raise ValueError(
+            f"accumulate_stats: channel_dim must be in [{-x.dim()}, {x.dim()}) for x of shape "
+            f"{tuple(x.shape)}, got {channel_dim}"
+        )
+
+
+def channel_sums(x: torch.Tensor, channel_dim: int, channels: int, near_zero: float) -> torch.Tensor:
+    """float64 `(len(CHANNEL_PLANES), channels)`: per channel of x along `channel_dim` (channel
+    c at column c), how many values, their sum, sum of squares, largest magnitude (NaN when a
+    NaN is among them) and how many have a magnitude above `near_zero`.
+
+    Examples:
+        >>> channel_sums(torch.tensor([[1.0, -2.0], [3.0, 0.0]]), 1, 2, 0.05).tolist()
+        [[2.0, 2.0], [4.0, -2.0], [10.0, 4.0], [3.0, 2.0], [2.0, 1.0]]
+    """
+    working = x.detach().reshape(-1).to(accumulation_dtype(x.dtype))
+    values = working.double()
+    index = channel_of_each(x, channel_dim)
+    magnitude = values.abs()
+    planes = torch.zeros(5, channels, dtype=torch.float64, device=x.device)
+    planes[CHANNEL_COUNT].index_add_(0, index, torch.ones_like(values))
+    planes[CHANNEL_SUM].index_add_(0, index, values)
+    planes[CHANNEL_SUM_SQ].index_add_(0, index, values * values)
+    # Compared in the working precision, as the near-zero fraction is.
+    planes[CHANNEL_ACTIVE].index_add_(0, index, (working.abs() > near_zero).double())
+    largest = planes[CHANNEL_ABSMAX].scatter_reduce(0, index, magnitude, "amax")
+    nans = torch.zeros_like(largest).index_add_(0, index, values.isnan().double())
+    planes[CHANNEL_ABSMAX] = torch.where(nans > 0, float("nan"), largest)
+    return planes
+
+
+def add_channel_sums(held: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """Running per-channel sums `held` and `sums` together, as the kernels add them: every plane
+    summed, the largest magnitudes' maximum (NaN-propagating)."""
+    added = held + sums
+    added[CHANNEL_ABSMAX] = torch.maximum(held[CHANNEL_ABSMAX], sums[CHANNEL_ABSMAX])
+    return added
+
+
+def _add_channel_sums(
+    x: torch.Tensor, row: torch.Tensor, channel_dim: int, channel_offset: int, near_zero: float
+) -> None:
+    """x's per-channel sums (`channel_sums`, channels from `channel_offset`) added to `row`, one
+    module's `(len(CHANNEL_PLANES), max_channels)` running sums."""
+    _check_channel_dim(x, channel_dim)
+    size = x.shape[channel_dim] if x.dim() > 0 else 1
+    if channel_offset < 0 or channel_offset + size > row.shape[1]:
+        raise ValueError(
+            f"accumulate_stats: channels has room for {row.shape[1]} channels, x has {size} "
+            f"along channel_dim {channel_dim} from channel_offset {channel_offset}"
+        )
+    held = row[:, channel_offset : channel_offset + size]
+    held.copy_(add_channel_sums(held, channel_sums(x, channel_dim, size, near_zero)))
+
+
 def _merge_top(
     x: torch.Tensor,
     top: torch.Tensor,
@@ -378,11 +443,7 @@ def _merge_top(
 ) -> None:
     """The top pairs of x (`top_of`, channels along `channel_dim` counted from
     `channel_offset`) merged into the slot's."""
-    if x.dim() > 0 and not -x.dim() <= channel_dim < x.dim():
-        raise ValueError(
-            f"accumulate_stats: channel_dim must be in [{-x.dim()}, {x.dim()}) for x of shape "
-            f"{tuple(x.shape)}, got {channel_dim}"
-        )
+    _check_channel_dim(x, channel_dim)
     values = x.detach().reshape(-1).double()
     column = cursor.reshape(1)
     held = top[slot].index_select(0, column)[0]

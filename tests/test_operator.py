@@ -284,171 +284,89 @@ def test_unknown_capability_is_refused():
 def test_argument_errors_name_the_argument():
     x = torch.randn(10)
     basic, full = _buffers(modules=2, capacity=4), _buffers(full=True, bins=3, capacity=4)
-    state, stats, extra, hist, binades, top, workspace, order, clock, cursor = basic.op_args()
 
-    def call(*args, lo=0.0, hi=1.0):
-        ops.accumulate_stats(*args, 0.05, lo, hi)
+    def call(b=basic, lo=0.0, hi=1.0, **replaced):
+        """The operator on x and b's buffers at slot 0, with the named arguments replaced."""
+        args = AccumulateArgs(x, *b.op_args(), 0, 0.05, lo, hi)._replace(**replaced)
+        ops.accumulate_stats(*args)
 
-    with pytest.raises(
-        RuntimeError, match="x must be float32, float64, float16 or bfloat16, got Long"
-    ):
-        call(torch.arange(4), *basic.op_args(), 0)
-    with pytest.raises(
-        RuntimeError, match=r"state must be a contiguous float64 tensor .* got Float"
-    ):
-        call(x, state.float(), stats, extra, hist, binades, top, workspace, order, clock, cursor, 0)
-    with pytest.raises(
-        RuntimeError,
-        match=r"state must be .* of shape \(3 or 9, modules, batches\), got Double of shape "
-        r"\[2, 2, 4\]",
-    ):
-        call(x, state[:2], stats, extra, hist, binades, top, workspace, order, clock, cursor, 0)
-    with pytest.raises(RuntimeError, match=r"stats must be a contiguous Float tensor of shape"):
-        call(
-            x, state, stats[:, :, :2], extra, hist, binades, top, workspace, order, clock, cursor, 0
-        )
-    with pytest.raises(RuntimeError, match=r"extra must be a contiguous Float tensor of shape \[4"):
-        call(
-            x,
-            full.state,
-            full.stats,
-            extra,
-            full.hist,
-            binades,
-            top,
-            workspace,
-            order,
-            clock,
-            cursor,
-            0,
-        )
-    with pytest.raises(RuntimeError, match=r"extra must be empty with a 3-plane state"):
-        call(x, state, stats, full.extra, hist, binades, top, workspace, order, clock, cursor, 0)
-    with pytest.raises(RuntimeError, match=r"hist must be a contiguous Long tensor of shape"):
-        call(
-            x,
-            *full.op_args()[:3],
-            full.hist.int(),
-            binades,
-            top,
-            workspace,
-            order,
-            clock,
-            cursor,
-            0,
-        )
-    with pytest.raises(RuntimeError, match="hist_min and hist_max must be finite"):
-        call(x, *full.op_args(), 0, lo=1.0, hi=1.0)
-    with pytest.raises(RuntimeError, match=r"3 bins over \[1e\+06, 1e\+06\] are narrower"):
-        call(x, *full.op_args(), 0, lo=1e6, hi=1e6 + 1e-3)
-    with pytest.raises(RuntimeError, match="cursor must be a one-element int64 tensor, got Int"):
-        call(x, state, stats, extra, hist, binades, top, workspace, order, clock, cursor.int(), 0)
-    with pytest.raises(
-        RuntimeError, match=r"order must be a contiguous Long tensor of shape \[2, 2, 4\]"
-    ):
-        call(x, state, stats, extra, hist, binades, top, workspace, order[:, :1], clock, cursor, 0)
-    with pytest.raises(RuntimeError, match="clock must be a one-element int64 tensor, got Long"):
-        call(
-            x,
-            state,
-            stats,
-            extra,
-            hist,
-            binades,
-            top,
-            workspace,
-            order,
-            torch.zeros(2, dtype=torch.long),
-            cursor,
-            0,
-        )
-    with pytest.raises(RuntimeError, match="clock must be on the state's device cpu, got meta"):
-        call(
-            x,
-            state,
-            stats,
-            extra,
-            hist,
-            binades,
-            top,
-            workspace,
-            order,
-            clock.to("meta"),
-            cursor,
-            0,
-        )
-    with pytest.raises(RuntimeError, match="stats must be on the state's device cpu, got meta"):
-        call(
-            x,
-            state,
-            stats.to("meta"),
-            extra,
-            hist,
-            binades,
-            top,
-            workspace,
-            order,
-            clock,
-            cursor,
-            0,
-        )
-    for wrong in (torch.zeros(2, 4, 257, dtype=torch.int32), torch.zeros(2, 4, 258).long()):
-        with pytest.raises(
-            RuntimeError, match=r"binades must be a contiguous Int tensor of shape \[2, 4, 258\]"
-        ):
-            call(x, state, stats, extra, hist, wrong, top, workspace, order, clock, cursor, 0)
-    for wrong in (torch.zeros(2, 4, 17, 2, dtype=torch.float64), torch.zeros(2, 4, 3, 2)):
-        with pytest.raises(
-            RuntimeError,
-            match=r"top must .*shape \(modules, batches, k, 2\)|top "
-            r"must be a contiguous Double tensor of shape \[2, 4, 3, 2\]",
-        ):
-            call(x, state, stats, extra, hist, binades, wrong, workspace, order, clock, cursor, 0)
-    topped = torch.full((2, 4, 3, 2), float("nan"), dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="channel_offset must be at least 0, got -1"):
-        ops.accumulate_stats(
-            x,
-            state,
-            stats,
-            extra,
-            hist,
-            binades,
-            topped,
-            workspace,
-            order,
-            clock,
-            cursor,
-            0,
-            channel_offset=-1,
-        )
-    with pytest.raises(
-        RuntimeError,
-        match=r"channel_dim must be in \[-1, 1\) for x of shape "
-        r"\[10\], got 1",
-    ):
-        ops.accumulate_stats(
-            x,
-            state,
-            stats,
-            extra,
-            hist,
-            binades,
-            topped,
-            workspace,
-            order,
-            clock,
-            cursor,
-            0,
-            channel_dim=1,
-        )
-    with pytest.raises(RuntimeError, match=r"slot must be in \[0, 2\), got 2"):
-        call(x, *basic.op_args(), 2)
-    with pytest.raises(RuntimeError, match=r"cursor must be in \[0, 4\), got 4"):
-        call(
-            x, state, stats, extra, hist, binades, top, workspace, order, clock, torch.tensor(4), 0
-        )
-    assert (state == 0).all() and (full.state == 0).all() and (full.hist == 0).all()
-    assert (order == 0).all() and (full.order == 0).all()
+    refused = [
+        ({"x": torch.arange(4)}, "x must be float32, float64, float16 or bfloat16, got Long"),
+        ({"state": basic.state.float()}, r"state must be a contiguous float64 tensor .* got Float"),
+        (
+            {"state": basic.state[:2]},
+            r"state must be .* of shape \(3 or 9, modules, batches\), got Double of shape "
+            r"\[2, 2, 4\]",
+        ),
+        ({"stats": basic.stats[:, :, :2]}, r"stats must be a contiguous Float tensor of shape"),
+        (
+            {"state": full.state, "stats": full.stats, "hist": full.hist},
+            r"extra must be a contiguous Float tensor of shape \[4",
+        ),
+        ({"extra": full.extra}, r"extra must be empty with a 3-plane state"),
+        (
+            {"b": full, "hist": full.hist.int()},
+            r"hist must be a contiguous Long tensor of shape",
+        ),
+        ({"b": full, "lo": 1.0, "hi": 1.0}, "hist_min and hist_max must be finite"),
+        ({"b": full, "lo": 1e6, "hi": 1e6 + 1e-3}, r"3 bins over \[1e\+06, 1e\+06\] are narrower"),
+        ({"cursor": basic.cursor.int()}, "cursor must be a one-element int64 tensor, got Int"),
+        (
+            {"order": basic.order[:, :1]},
+            r"order must be a contiguous Long tensor of shape \[2, 2, 4\]",
+        ),
+        ({"clock": torch.zeros(2, dtype=torch.long)}, "clock must be a one-element int64 tensor"),
+        ({"clock": basic.clock.to("meta")}, "clock must be on the state's device cpu, got meta"),
+        ({"stats": basic.stats.to("meta")}, "stats must be on the state's device cpu, got meta"),
+        (
+            {"binades": torch.zeros(2, 4, 257, dtype=torch.int32)},
+            r"binades must be a contiguous Int tensor of shape \[2, 4, 258\]",
+        ),
+        (
+            {"binades": torch.zeros(2, 4, 258).long()},
+            r"binades must be a contiguous Int tensor of shape \[2, 4, 258\]",
+        ),
+        (
+            {"top": torch.zeros(2, 4, 17, 2, dtype=torch.float64)},
+            r"top must .*shape \(modules, batches, k, 2\)",
+        ),
+        (
+            {"top": torch.zeros(2, 4, 3, 2)},
+            r"top must be a contiguous Double tensor of shape \[2, 4, 3, 2\]",
+        ),
+        (
+            {
+                "top": torch.full((2, 4, 3, 2), float("nan"), dtype=torch.float64),
+                "channel_offset": -1,
+            },
+            "channel_offset must be at least 0, got -1",
+        ),
+        (
+            {"channels": torch.zeros(2, 5, 9, dtype=torch.float64), "channel_dim": 1},
+            r"channel_dim must be in \[-1, 1\) for x of shape \[10\], got 1",
+        ),
+        (
+            {"channels": torch.zeros(2, 4, 10, dtype=torch.float64)},
+            r"channels must be a contiguous Double tensor of shape \[2, 5, 10\]",
+        ),
+        (
+            {"channels": torch.zeros(2, 10, dtype=torch.float64)},
+            r"channels must have shape \(modules, 5, max_channels\)",
+        ),
+        (
+            {"channels": torch.zeros(2, 5, 11, dtype=torch.float64), "channel_offset": 2},
+            r"channels has room for 11 channels, x of shape \[10\] has 10 along channel_dim -1 "
+            "from channel_offset 2",
+        ),
+        ({"channels": torch.zeros(2, 5, 10)}, r"channels must be a contiguous Double tensor"),
+        ({"slot": 2}, r"slot must be in \[0, 2\), got 2"),
+        ({"cursor": torch.tensor(4)}, r"cursor must be in \[0, 4\), got 4"),
+    ]
+    for replaced, message in refused:
+        with pytest.raises(RuntimeError, match=message):
+            call(**replaced)
+    assert (basic.state == 0).all() and (full.state == 0).all() and (full.hist == 0).all()
+    assert (basic.order == 0).all() and (full.order == 0).all()
 
 
 def _opcheck_cases():
@@ -487,6 +405,7 @@ def test_callable_from_torchscript():
         hist: torch.Tensor,
         binades: torch.Tensor,
         top: torch.Tensor,
+        channels: torch.Tensor,
         workspace: torch.Tensor,
         order: torch.Tensor,
         clock: torch.Tensor,
@@ -500,6 +419,7 @@ def test_callable_from_torchscript():
             hist,
             binades,
             top,
+            channels,
             workspace,
             order,
             clock,

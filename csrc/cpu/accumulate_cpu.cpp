@@ -14,6 +14,7 @@
 #include "../dtype_dispatch.h"
 #include "../top.h"
 #include "capability.h"
+#include "channel_sums.h"
 
 namespace fasthooks {
 namespace {
@@ -74,15 +75,7 @@ auto infinity_bits() {
   return magnitude_bits(std::numeric_limits<T>::infinity());
 }
 
-// A value as float64, exactly, and back: 16-bit values through float.
-template <typename T>
-double widened(T v) {
-  if constexpr (std::is_same_v<T, double>) {
-    return v;
-  } else {
-    return static_cast<float>(v);
-  }
-}
+// A float64 value back in T (widened's inverse): 16-bit values through float.
 template <typename T>
 T narrowed(double v) {
   if constexpr (std::is_same_v<T, double>) {
@@ -132,19 +125,22 @@ void clear_top(TopPair* list, int k) {
 
 // Where a chunk counts beside its statistics: its bins into lane rows (null without a histogram),
 // its binades into kBinadeBins counters (null without them), its top values into a list of
-// top_k pairs (null without them).
+// top_k pairs (null without them), its values into per-channel sums (null without them).
 struct ChunkCounts {
   uint32_t* rows;
   int64_t* binades;
   TopPair* top;
+  ChannelSums* channels;
 };
 
 // Statistics of n values taken a chunk at a time: chunk(start, length, counts) gives those of
-// values [start, start + length) and counts their bins, binades and top values (ChunkCounts).
-// `counts`, `binades` and `top` receive the totals (each empty when not kept).
+// values [start, start + length) and counts their bins, binades, top values and channel sums
+// (ChunkCounts). `counts`, `binades`, `top` and `channels` receive the totals (each empty, or
+// null, when not kept).
 template <bool Full, typename Chunk>
 Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_t>& counts,
-                    std::vector<int64_t>& binades, std::vector<TopPair>& top) {
+                    std::vector<int64_t>& binades, std::vector<TopPair>& top,
+                    ChannelSums* channels) {
   const size_t rows_size = hist ? kHistLanes * (counts.size() + 1) : 0;
   const bool binned = !binades.empty();
   const int k = static_cast<int>(top.size());
@@ -152,7 +148,8 @@ Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_
     std::vector<uint32_t> rows(rows_size);
     const Stats s = chunk(0, n,
                           ChunkCounts{hist ? rows.data() : nullptr,
-                                      binned ? binades.data() : nullptr, k ? top.data() : nullptr});
+                                      binned ? binades.data() : nullptr, k ? top.data() : nullptr,
+                                      channels});
     if (hist) flush_rows(rows, counts);
     return s;
   }
@@ -165,8 +162,9 @@ Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_
     std::vector<int64_t> local_binades(binades.size());
     TopPair local_top[kMaxTopK];
     clear_top(local_top, k);
+    ChannelSums local_channels(channels != nullptr ? channels->channels() : 0);
     const ChunkCounts own{hist ? rows.data() : nullptr, binned ? local_binades.data() : nullptr,
-                          k ? local_top : nullptr};
+                          k ? local_top : nullptr, channels != nullptr ? &local_channels : nullptr};
     for (int64_t c = begin; c < end; ++c) {
       const int64_t start = c * kChunk;
       parts[c] = chunk(start, n - start < kChunk ? n - start : kChunk, own);
@@ -174,12 +172,14 @@ Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_
         flush_rows(rows, local);
       }
     }
-    if (hist || binned || k) {
+    if (hist || binned || k || channels != nullptr) {
       const std::lock_guard<std::mutex> lock(counts_mutex);
       for (size_t j = 0; j < counts.size(); ++j) counts[j] += local[j];
       for (size_t j = 0; j < binades.size(); ++j) binades[j] += local_binades[j];
       // The order is total, so the merged list does not depend on which thread comes first.
       for (int j = 0; j < k; ++j) offer_top(top.data(), k, local_top[j]);
+      // Sums in another order round differently in the last bits; maxima and counts do not.
+      if (channels != nullptr) channels->add(local_channels);
     }
   });
   // Merged in chunk order, so the result does not depend on the number of threads.
@@ -193,9 +193,11 @@ Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_
 // The binades of a chunk are counted right after its statistics, while it is still in cache.
 template <bool Full, typename T, typename Acc>
 Stats merge_into_slot(const T* p, const T* base, int64_t n, ChunkFn<T, Acc> kernel,
-                      ChunkFn<Acc, Acc> difference_kernel, const ChunkParams<Acc>& params,
+                      ChunkFn<Acc, Acc> difference_kernel, ChannelFn<T> channel_kernel,
+                      const ChunkParams<Acc>& params,
                       std::vector<int64_t>& counts, std::vector<int64_t>& binades,
-                      std::vector<TopPair>& top, const ChannelMap& map, const SlotPointers& slot) {
+                      std::vector<TopPair>& top, ChannelSums* channels, double near_zero,
+                      const ChannelMap& map, const SlotPointers& slot) {
   const int k = static_cast<int>(top.size());
   const bool hist = params.bins != nullptr;
   Stats batch;
@@ -206,9 +208,12 @@ Stats merge_into_slot(const T* p, const T* base, int64_t n, ChunkFn<T, Acc> kern
           const Stats s = kernel(p + start, length, params, to.rows);
           if (to.binades != nullptr) count_binades(p + start, length, to.binades);
           if (to.top != nullptr) offer_values(p + start, start, length, map, to.top, k);
+          if (to.channels != nullptr) {
+            channel_kernel(p + start, start, length, map, near_zero, *to.channels);
+          }
           return s;
         },
-        counts, binades, top);
+        counts, binades, top, channels);
   } else {
     batch = chunked_stats<Full>(
         n, hist,
@@ -219,7 +224,7 @@ Stats merge_into_slot(const T* p, const T* base, int64_t n, ChunkFn<T, Acc> kern
           }
           return difference_kernel(difference.data(), length, params, to.rows);
         },
-        counts, binades, top);
+        counts, binades, top, nullptr);
   }
   store_slot<Full>(slot, merge<Full>(load_slot<Full>(slot), batch));
   return batch;
@@ -268,11 +273,13 @@ struct Destination {
   int32_t* binades;  // the slot's row, null without binades
   TopPair* top;      // the slot's top_k pairs, null without them
   int top_k;
+  double* channels;  // the module's running per-channel sums, null without them
+  int64_t max_channels;
 };
 
 Destination destination(const Tensor& state, const Tensor& stats, const Tensor& extra,
                         const Tensor& hist, const Tensor* binades, const Tensor* top,
-                        const Tensor& cursor, int64_t slot, bool full) {
+                        const Tensor* channels, const Tensor& cursor, int64_t slot, bool full) {
   const int64_t column = *static_cast<const int64_t*>(cursor.const_data_ptr());
   const int64_t batches = state.size(2);
   FASTHOOKS_CHECK(column >= 0 && column < batches, "accumulate_stats: cursor must be in [0, ",
@@ -291,13 +298,20 @@ Destination destination(const Tensor& state, const Tensor& stats, const Tensor& 
       top_k > 0
           ? reinterpret_cast<TopPair*>(static_cast<double*>(top->mutable_data_ptr())) + cell * top_k
           : nullptr;
-  return {at, hist.numel() > 0 ? cell * hist.size(2) : 0, binade_row, top_row, top_k};
+  const bool summed = channels != nullptr && channels->numel() > 0;
+  const int64_t max_channels = summed ? channels->size(2) : 0;
+  double* channel_row =
+      summed ? static_cast<double*>(channels->mutable_data_ptr()) + slot * kChannelPlanes * max_channels
+             : nullptr;
+  return {at,    hist.numel() > 0 ? cell * hist.size(2) : 0, binade_row, top_row, top_k,
+          channel_row, max_channels};
 }
 
 // Returns the call's own statistics.
 template <typename T, typename Acc>
 Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const (&kernels)[2],
-                 ChunkFn<Acc, Acc> const (&difference_kernels)[2], bool full, const Destination& to,
+                 ChunkFn<Acc, Acc> const (&difference_kernels)[2], ChannelFn<T> channel_kernel,
+                 bool full, const Destination& to,
                  double near_zero, const Tensor& hist, double hist_min, double hist_max,
                  const ChannelMap& map) {
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
@@ -314,14 +328,20 @@ Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const 
   std::vector<int64_t> binades(to.binades != nullptr ? kBinadeBins : 0);
   std::vector<TopPair> top(to.top_k);
   clear_top(top.data(), to.top_k);
+  ChannelSums channels(to.channels != nullptr ? map.size : 0);
+  ChannelSums* summed = to.channels != nullptr ? &channels : nullptr;
   const T* p = static_cast<const T*>(dense.const_data_ptr());
   const T* b = base != nullptr ? static_cast<const T*>(base->const_data_ptr()) : nullptr;
   const int f = full ? 1 : 0;
   const Stats call =
-      full ? merge_into_slot<true>(p, b, dense.numel(), kernels[f], difference_kernels[f], params,
-                                   counts, binades, top, map, to.slot)
-           : merge_into_slot<false>(p, b, dense.numel(), kernels[f], difference_kernels[f], params,
-                                    counts, binades, top, map, to.slot);
+      full ? merge_into_slot<true>(p, b, dense.numel(), kernels[f], difference_kernels[f],
+                                   channel_kernel, params, counts, binades, top, summed, near_zero, map, to.slot)
+           : merge_into_slot<false>(p, b, dense.numel(), kernels[f], difference_kernels[f],
+                                    channel_kernel, params, counts, binades, top, summed, near_zero, map, to.slot);
+  if (summed != nullptr) {
+    channels.add_to_row(to.channels, to.max_channels, map.offset,
+                        static_cast<double>(dense.numel() / map.size));
+  }
   int64_t* row =
       bins > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) + to.hist_offset : nullptr;
   for (int64_t k = 0; k < bins; ++k) row[k] += counts[k];
@@ -343,6 +363,14 @@ const auto& kernels_of(const ChunkKernels& k, DtypeTag<torch::headeronly::BFloat
   return k.bf16;
 }
 const auto& difference_kernels_of(const ChunkKernels& k, DtypeTag<double>) { return k.f64; }
+auto channel_kernel_of(const ChunkKernels& k, DtypeTag<float>) { return k.channels_f32; }
+auto channel_kernel_of(const ChunkKernels& k, DtypeTag<double>) { return k.channels_f64; }
+auto channel_kernel_of(const ChunkKernels& k, DtypeTag<torch::headeronly::Half>) {
+  return k.channels_f16;
+}
+auto channel_kernel_of(const ChunkKernels& k, DtypeTag<torch::headeronly::BFloat16>) {
+  return k.channels_bf16;
+}
 template <typename T>
 const auto& difference_kernels_of(const ChunkKernels& k, DtypeTag<T>) {
   return k.f32;
@@ -352,14 +380,16 @@ const auto& difference_kernels_of(const ChunkKernels& k, DtypeTag<T>) {
 // (slot, cursor); returns the call's own (none for an empty tensor).
 Stats accumulate_one(const Tensor& dense, const Tensor* base, const Tensor& state,
                      const Tensor& stats, const Tensor& extra, const Tensor& hist,
-                     const Tensor* binades, const Tensor* top, const ChannelMap& map,
-                     const Tensor& cursor, int64_t slot, bool full, double near_zero,
-                     double hist_min, double hist_max) {
-  const Destination to = destination(state, stats, extra, hist, binades, top, cursor, slot, full);
+                     const Tensor* binades, const Tensor* top, const Tensor* channels,
+                     const ChannelMap& map, const Tensor& cursor, int64_t slot, bool full,
+                     double near_zero, double hist_min, double hist_max) {
+  const Destination to =
+      destination(state, stats, extra, hist, binades, top, channels, cursor, slot, full);
   if (dense.numel() == 0) return {};
   const ChunkKernels& k = cpu_kernels();
   return dispatch_dtype(dtype_of(dense), [&](auto tag) {
-    return accumulate(dense, base, kernels_of(k, tag), difference_kernels_of(k, tag), full, to,
+    return accumulate(dense, base, kernels_of(k, tag), difference_kernels_of(k, tag),
+                      channel_kernel_of(k, tag), full, to,
                       near_zero, hist, hist_min, hist_max, map);
   });
 }
@@ -383,18 +413,20 @@ void note_order(const Tensor& order, const Tensor& clock, const Tensor& cursor, 
 
 void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& stats,
                           const Tensor& extra, const Tensor& hist, const Tensor& binades,
-                          const Tensor& top, const Tensor& workspace, const Tensor& order,
+                          const Tensor& top, const Tensor& channels, const Tensor& workspace,
+                          const Tensor& order,
                           const Tensor& clock, const Tensor& cursor, int64_t slot, double near_zero,
                           double hist_min, double hist_max, int64_t channel_dim,
                           int64_t channel_offset) {
   const bool full = check_accumulate_args(x, state, stats, extra, hist, &binades, workspace, cursor,
                                           slot, hist_min, hist_max);
   check_top(top, x, state, channel_dim, channel_offset);
+  check_channels(channels, x, state, channel_dim, channel_offset);
   const bool ordered = check_call_order(order, clock, state);
   const Tensor dense = dense_values(x);
   const Stats call = accumulate_one(dense, nullptr, state, stats, extra, hist, &binades, &top,
-                                    channel_map(dense, channel_dim, channel_offset), cursor, slot,
-                                    full, near_zero, hist_min, hist_max);
+                                    &channels, channel_map(dense, channel_dim, channel_offset),
+                                    cursor, slot, full, near_zero, hist_min, hist_max);
   if (ordered && call.count > 0) note_order(order, clock, cursor, slot, full, call);
 }
 
@@ -406,7 +438,8 @@ void accumulate_stats_list_cpu(std::vector<Tensor> xs, std::vector<Tensor> bases
       check_list(xs, bases, state, stats, extra, hist, workspace, cursor, hist_min, hist_max);
   for (size_t i = 0; i < list.xs.size(); ++i) {
     accumulate_one(list.xs[i], list.bases.empty() ? nullptr : &list.bases[i], state, stats, extra,
-                   hist, nullptr, nullptr, ChannelMap{1, 1, 0}, cursor, static_cast<int64_t>(i),
+                   hist, nullptr, nullptr, nullptr, ChannelMap{1, 1, 0}, cursor,
+                   static_cast<int64_t>(i),
                    list.full, near_zero, hist_min, hist_max);
   }
 }

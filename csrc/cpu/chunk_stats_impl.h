@@ -694,6 +694,8 @@ Stats chunk_stats(const T* p, int64_t n, const ChunkParams<typename Accumulator<
   return blocks_stats<T, Full, HistMode::kCoded>(p, n, params.near_zero, &finder, hist_rows);
 }
 
+#include "channel_sums_impl.h"
+
 // Evaluated at compile time only (see FASTHOOKS_KERNEL_TABLE in kernels.h).
 constexpr ChunkKernels make_kernels() {
   return {
@@ -701,5 +703,9 @@ constexpr ChunkKernels make_kernels() {
       {&chunk_stats<double, false>, &chunk_stats<double, true>},
       {&chunk_stats<torch::headeronly::Half, false>, &chunk_stats<torch::headeronly::Half, true>},
       {&chunk_stats<torch::headeronly::BFloat16, false>,
-       &chunk_stats<torch::headeronly::BFloat16, true>}};
+       &chunk_stats<torch::headeronly::BFloat16, true>},
+      &add_channel_values<float>,
+      &add_channel_values<double>,
+      &add_channel_values<torch::headeronly::Half>,
+      &add_channel_values<torch::headeronly::BFloat16>};
 }

@@ -11,6 +11,7 @@
 
 #include "../histogram.h"
 #include "../stats.h"
+#include "channel_sums.h"
 
 namespace fasthooks {
 
@@ -36,12 +37,21 @@ template <typename T, typename Acc>
 using ChunkFn = Stats (*)(const T*, int64_t, const ChunkParams<Acc>&, uint32_t*);
 constexpr int64_t kHistLanes = 8;
 
+// Adds n values (positions start.. of a tensor in memory order) to the sums of their channels,
+// the magnitudes above near_zero counted.
+template <typename T>
+using ChannelFn = void (*)(const T*, int64_t, int64_t, const ChannelMap&, double, ChannelSums&);
+
 // Index 0: mean and std only; index 1: every statistic.
 struct ChunkKernels {
   ChunkFn<float, float> f32[2];
   ChunkFn<double, double> f64[2];
   ChunkFn<torch::headeronly::Half, float> f16[2];
   ChunkFn<torch::headeronly::BFloat16, float> bf16[2];
+  ChannelFn<float> channels_f32;
+  ChannelFn<double> channels_f64;
+  ChannelFn<torch::headeronly::Half> channels_f16;
+  ChannelFn<torch::headeronly::BFloat16> channels_bf16;
 };
 
 // The contract of a kernel unit (kernels_<isa>.cpp). It includes every header before its target

@@ -118,13 +118,17 @@ struct OperatorHost {
 
   static void accumulate_stats(const Tensor& x, const Tensor& state, const Tensor& stats,
                                const Tensor& extra, const Tensor& hist, const Tensor& binades,
-                               const Tensor& top, const Tensor& workspace, const Tensor& order,
+                               const Tensor& top, const Tensor& channels,
+                               const Tensor& workspace, const Tensor& order,
                                const Tensor& clock, const Tensor& cursor, int64_t slot,
                                double near_zero, double hist_min, double hist_max,
                                int64_t channel_dim, int64_t channel_offset) {
     const bool full = check_accumulate_args(x, state, stats, extra, hist, &binades, workspace,
                                             cursor, slot, hist_min, hist_max);
     check_top(top, x, state, channel_dim, channel_offset);
+    check_channels(channels, x, state, channel_dim, channel_offset);
+    FASTHOOKS_CHECK(channels.numel() == 0,
+                    "accumulate_stats: channel statistics are not kept on CUDA yet");
     const int64_t top_k = top.numel() > 0 ? top.size(2) : 0;
     const bool ordered = check_call_order(order, clock, state);
     const int device = x.get_device_index();
