@@ -95,7 +95,7 @@ test-cpu: $(WHEELS)
 		dist/fasthooks-*-abi3-*x86_64.whl) && \
 	PYTHONSAFEPATH=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH FASTHOOKS_INSTALLED_AT=$$site \
 		FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_FRAMEWORKS=1 \
-		$(CPU_WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -n 2 --doctest-modules \
+		$(CPU_WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -n 2 --durations=15 --doctest-modules \
 		--pyargs fasthooks tests
 
 ## test-quick: lint, then the suite without large tensors, frameworks and emulated CUDA (minutes)
@@ -147,7 +147,7 @@ test-cuda-kernels: $(WHEELS) $(CU12_VENV)/.ready
 	PYTHONSAFEPATH=1 FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_REQUIRE_NVRTC=1 FASTHOOKS_WHEEL_DIR=$$site \
 		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU_VERSION) \
 		FASTHOOKS_CACHE_DIR=$(CURDIR)/build/kernel-cache-cu12 \
-		$(CU12_WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -q -n 2 \
+		$(CU12_WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -q -n 2 --durations=15 \
 		tests/test_extension.py tests/test_cuda_compile.py
 	FASTHOOKS_CACHE_DIR=$(CURDIR)/build/kernel-cache $(WHEEL_VENV)/bin/python -P \
 		benchmarks/cuda_roofline.py --check docs/cuda.md --out build/cuda/roofline > /dev/null
@@ -207,7 +207,7 @@ test-wheel: wheel-venv
 		FASTHOOKS_WHEEL_DIR=$$($(WHEEL_VENV)/bin/python -c "import site; print(site.getsitepackages()[0])") \
 		FASTHOOKS_WHEEL_BUILT_WITH=$(TORCH_CPU_VERSION) \
 		FASTHOOKS_CACHE_DIR=$(CURDIR)/build/kernel-cache \
-		$(WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -n 2 -m "not cuda_on_cpu and not slow" \
+		$(WHEEL_VENV)/bin/python -P -m pytest -p no:cacheprovider -n 2 --durations=15 -m "not cuda_on_cpu and not slow" \
 		$(WHEEL_TESTS)
 
 # The sdist installed with pip (no build isolation, against .venv's torch) into a folder of its
@@ -220,7 +220,7 @@ test-sdist: $(VENV)/.ready
 	$(VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps --target $(SDIST_CHECK) \
 		dist/fasthooks-*.tar.gz 2>&1 | $(PIP_FILTER)
 	PYTHONPATH=$(SDIST_CHECK) FASTHOOKS_REQUIRE_EXT=1 FASTHOOKS_INSTALLED_AT=$(SDIST_CHECK) \
-		$(VENV)/bin/pytest -p no:cacheprovider -q -m "not slow and not cuda_on_cpu" \
+		$(VENV)/bin/pytest -p no:cacheprovider -q --durations=10 -m "not slow and not cuda_on_cpu" \
 		tests/test_extension.py tests/test_operator.py tests/test_nonfinite.py
 
 ## docs: the documentation site with its API reference in build/site (warnings are errors)
