@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .layout import ALL_EXTRAS, MAX_HIST_BINS, MAX_TOP_K
+from .layout import ALL_EXTRAS, CHANNEL_STATS, MAX_HIST_BINS, MAX_TOP_K
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -117,6 +117,22 @@ def check_channel_dim(channel_dim: Any) -> int | dict[str, int] | None:
             count_argument(dim, f"channel_dim[{name!r}]", -(2**31))
         return {name: int(dim) for name, dim in channel_dim.items()}
     return count_argument(channel_dim, "channel_dim", -(2**31))
+
+
+def check_channel_stats(channel_stats: Any) -> tuple[str, ...]:
+    """`channel_stats=` as names from `layout.CHANNEL_STATS`, each once, in the order given.
+
+    Examples:
+        >>> check_channel_stats(["rms", "absmax", "rms"]), check_channel_stats("active")
+        (('rms', 'absmax'), ('active',))
+    """
+    names = (channel_stats,) if isinstance(channel_stats, str) else tuple(channel_stats)
+    for name in names:
+        if name not in CHANNEL_STATS:
+            raise ValueError(
+                f"channel_stats: unknown statistic {name!r}; valid ones are {CHANNEL_STATS}"
+            )
+    return tuple(dict.fromkeys(names))
 
 
 def check_near_zero(near_zero: Any) -> float:
