@@ -196,8 +196,10 @@ __device__ void channel_runs(const T* __restrict__ x, int64_t n, const ChannelBu
     }
     run.fold();
     ChannelTotals totals = ChannelTotals::of(run);
-    // A warp whose lanes all end in one channel sends one sum (lanes past n have none to send).
-    const unsigned peers = __match_any_sync(0xffffffffu, any ? static_cast<int>(current) : -1);
+    // A warp whose lanes all end in one channel sends one sum (lanes past n have none to send;
+    // channels past int's range are never taken for one another).
+    const int key = size <= 0x7fffffff ? static_cast<int>(current) : lane;
+    const unsigned peers = __match_any_sync(0xffffffffu, any ? key : -1);
     if (peers == 0xffffffffu && any) {
       for (int offset = 16; offset > 0; offset /= 2) totals.add(shuffle_down(totals, offset));
       if (lane == 0) totals.send(cb, cb.channels.offset + current);
