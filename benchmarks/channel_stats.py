@@ -91,9 +91,10 @@ def main() -> None:
                      f"{timing.median / floor:.2f}"]
                 )  # fmt: skip
     device = machine_line() if args.device == "cpu" else torch.cuda.get_device_name()
+    table = markdown_table(["dtype", "layout", "variant", "ms", "x torch.sum"], rows)
     text = (
         f"{device}; {x.numel():,} values, {args.channels} channels, median of {args.rounds} "
-        "rounds\n\n" + markdown_table(["dtype", "layout", "variant", "ms", "x torch.sum"], rows) + "\n"
+        f"rounds\n\n{table}\n"
     )
     report(text, args.out)
     if args.out is not None:

@@ -59,6 +59,7 @@ class Kernel(NamedTuple):
     is_list: bool  # the list kernel (accumulate_stats_list)
     binades: bool = False  # the "binades" extra counted too (one tensor's values only)
     top: bool = False  # the top_k pairs kept too (one tensor's values only)
+    channels: bool = False  # the running per-channel sums added to too (one tensor's values only)
 
     @property
     def what(self) -> str:
@@ -67,6 +68,7 @@ class Kernel(NamedTuple):
         )
         what += " + binades" if self.binades else ""
         what += " + top_k" if self.top else ""
+        what += " + channel sums" if self.channels else ""
         what += " of a difference" if self.diff else ""
         return what + (", list" if self.is_list else "")
 
@@ -132,6 +134,7 @@ def cubin(kernel: Kernel, arch: str) -> tuple[str, bytes]:
         list_=kernel.is_list,
         binades=kernel.binades,
         top=kernel.top,
+        channels=kernel.channels,
     )
     return cuda_setup.read_kernel(path)
 

@@ -2,8 +2,8 @@
 # On a CUDA machine, in at most 9 minutes: install the wheel `make wheel` built (dist/, for this
 # machine's platform), time the first use of its CUDA kernels, run the CUDA tests (CUDA graphs and
 # two streams among them), then the CUDA benchmarks (the operator against torch.sum beside the
-# SASS prediction, the binades extra and top_k, a training step, ParameterStats, the non-finite
-# guard). Each stage has a time limit and a failing stage does not stop the next. Everything
+# SASS prediction, the binades extra and top_k, the per-channel sums per layout, a training step,
+# ParameterStats, the non-finite guard). Each stage has a time limit and a failing stage does not stop the next. Everything
 # lands in OUT_DIR/results.md, one section per stage with its status and the end of its output.
 # Uses the python3 on PATH (or $PYTHON), which must have a CUDA build of torch, pytest,
 # pytest-xdist, hypothesis, numpy, scikit-learn and tqdm (what the tests and benchmarks import).
@@ -76,6 +76,12 @@ stage FILE="$scratch/roofline.md" roofline 15 "$python" -P benchmarks/roofline_v
 stage FILE="$scratch/low_precision/results.md" low_precision 30 "$python" -P \
   benchmarks/low_precision.py --device cuda --numel 67108864 --rounds 5 \
   --out "$scratch/low_precision"
+
+# The running per-channel sums per layout (NCHW runs, channels_last, (tokens, C)) beside the same
+# kernels without them, torch.sum and the hand-rolled torch ops.
+stage FILE="$scratch/channels/results.md" channel_stats 30 "$python" -P \
+  benchmarks/channel_stats.py --device cuda --numel 16777216 --dtypes float32 bfloat16 \
+  --rounds 5 --out "$scratch/channels"
 
 stage FILE="$scratch/step/results.md" training_step 45 "$python" -P \
   benchmarks/gpu_training_step.py --steps 10 --rounds 3 --out "$scratch/step"

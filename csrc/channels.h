@@ -8,13 +8,7 @@
 namespace fasthooks {
 
 // The planes of a row, each max_channels doubles (fasthooks/layout.py, CHANNEL_PLANES).
-enum ChannelPlane {
-  kChannelCount,
-  kChannelSum,
-  kChannelSumSq,
-  kChannelAbsmax,
-  kChannelActive
-};
+enum ChannelPlane { kChannelCount, kChannelSum, kChannelSumSq, kChannelAbsmax, kChannelActive };
 constexpr int kChannelPlanes = kChannelActive + 1;
 // The largest magnitudes merge with stats.h's nan_max: NaN once either is NaN.
 

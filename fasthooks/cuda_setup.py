@@ -213,16 +213,19 @@ def compile_kernel(
     list_: bool = False,
     binades: bool = False,
     top: bool = False,
+    channels: bool = False,
 ) -> tuple[bool, str]:
     """Compiles one kernel for compute capability `arch` into the cache, with no GPU needed:
     (whether it was compiled now rather than found in the cache, its cache file). `bins` is the
     histogram's bin count (0: none), which picks how the kernel counts them; `binades` counts the
-    "binades" extra too and `top` keeps the top_k pairs (each only by a kernel of one tensor's
-    values, not a list's or a difference's)."""
+    "binades" extra too, `top` keeps the top_k pairs and `channels` the per-channel sums (each
+    only by a kernel of one tensor's values, not a list's or a difference's)."""
     if binades and (diff or list_):
         raise ValueError("binades are counted by the kernel of one tensor's values only")
     if top and (diff or list_):
         raise ValueError("top_k is kept by the kernel of one tensor's values only")
+    if channels and (diff or list_):
+        raise ValueError("channel statistics are kept by the kernel of one tensor's values only")
     out = ctypes.create_string_buffer(_OUT_SIZE)
     done = _extension().fasthooks_cuda_compile(
         DTYPE_POSITIONS[dtype],
@@ -232,6 +235,7 @@ def compile_kernel(
         diff,
         binades,
         top,
+        channels,
         arch,
         out,
         ctypes.c_size_t(_OUT_SIZE),

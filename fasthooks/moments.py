@@ -384,7 +384,9 @@ def _check_channel_dim(x: torch.Tensor, channel_dim: int) -> None:
         )
 
 
-def channel_sums(x: torch.Tensor, channel_dim: int, channels: int, near_zero: float) -> torch.Tensor:
+def channel_sums(
+    x: torch.Tensor, channel_dim: int, channels: int, near_zero: float
+) -> torch.Tensor:
     """float64 `(len(CHANNEL_PLANES), channels)`: per channel of x along `channel_dim` (channel
     c at column c), how many values, their sum, sum of squares, largest magnitude (NaN when a
     NaN is among them) and how many have a magnitude above `near_zero`.

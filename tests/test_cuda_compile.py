@@ -23,13 +23,21 @@ from fasthooks import cuda_setup, ops
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = (80, 90, 100, 120)
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-# (full, bins, diff, binades) as the operator asks for them: a difference kernel computes every
-# statistic; up to 40 bins are counted per thread, more per block; binades only of values.
-FLAGS = tuple(
-    (full, bins, diff, binades)
-    for full, diff in ((False, False), (True, False), (True, True))
-    for bins in (0, 16, 256)
-    for binades in ((False,) if diff else (False, True))
+# (full, bins, diff, binades, top, channels) as the operator asks for them: a difference kernel
+# computes every statistic; up to 40 bins are counted per thread, more per block; binades, top_k
+# and channel statistics only of values: channel statistics without bins, with bins per thread and
+# per block; top_k with bins per block, alone and beside binades and channel statistics.
+FLAGS = (
+    *(
+        (full, bins, diff, binades, False, False)
+        for full, diff in ((False, False), (True, False), (True, True))
+        for bins in (0, 16, 256)
+        for binades in ((False,) if diff else (False, True))
+    ),
+    (False, 0, False, False, False, True),
+    (True, 16, False, False, False, True),
+    (True, 256, False, False, True, False),
+    (True, 256, False, True, True, True),
 )
 
 
@@ -67,25 +75,26 @@ def test_nvrtc_is_found():
 
 # Every kernel is compiled for EVERY_KERNEL_ARCH; for the other architectures, each way of
 # counting once per dtype (what differs by architecture is the code generated, not the paths):
-# mean and std; bins per thread; bins per block with binades; the list kernel with bins per block;
-# the list kernel of differences.
+# mean and std; bins per thread; bins per block with binades; bins per thread with every extra of
+# values; the list kernel with bins per block; the list kernel of differences.
 EVERY_KERNEL_ARCH = 90
-EACH_PATH = (  # (list kernel, (full, bins, diff, binades))
-    (False, (False, 0, False, False)),
-    (False, (True, 16, False, False)),
-    (False, (True, 256, False, True)),
-    (True, (True, 256, False, False)),
-    (True, (True, 0, True, False)),
+EACH_PATH = (  # (list kernel, (full, bins, diff, binades, top, channels))
+    (False, (False, 0, False, False, False, False)),
+    (False, (True, 16, False, False, False, False)),
+    (False, (True, 256, False, True, False, False)),
+    (False, (True, 16, False, True, True, True)),
+    (True, (True, 256, False, False, False, False)),
+    (True, (True, 0, True, False, False, False)),
 )
 
 
-def _kernels(arch: int) -> list[tuple[torch.dtype, bool, tuple[bool, int, bool, bool]]]:
+def _kernels(arch: int) -> list[tuple[torch.dtype, bool, tuple[bool, int, bool, bool, bool, bool]]]:
     """(dtype, list kernel, flags) of every kernel compiled for `arch`."""
     if arch == EVERY_KERNEL_ARCH:
         return [
             (dtype, list_, flags)
             for dtype, list_, flags in itertools.product(DTYPES, (False, True), FLAGS)
-            if not (list_ and flags[3])
+            if not (list_ and any(flags[3:]))
         ]
     return [(dtype, list_, flags) for dtype in DTYPES for list_, flags in EACH_PATH]
 
@@ -96,13 +105,23 @@ def test_every_kernel_compiles_for_each_architecture(arch):
     # read rather than compile again; the cache tests below start from empty ones.
     kernels = _kernels(arch)
     paths = set()
-    for dtype, list_, (full, bins, diff, binades) in kernels:
+    for dtype, list_, (full, bins, diff, binades, top, channels) in kernels:
         _, path = cuda_setup.compile_kernel(
-            dtype, arch, full=full, bins=bins, diff=diff, list_=list_, binades=binades
+            dtype,
+            arch,
+            full=full,
+            bins=bins,
+            diff=diff,
+            list_=list_,
+            binades=binades,
+            top=top,
+            channels=channels,
         )
         name, image = _image(path)
         assert name.startswith(b"_Z") and (b"list" in name) == list_
         assert ("-binades-" in path) == binades
+        assert ("-top-" in path) == top
+        assert ("-channels-" in path) == channels
         assert image[:4] == b"\x7fELF", f"{path} holds no cubin"
         assert f"-sm_{arch}-nvrtc" in path
         assert Path(path).parent == Path(cuda_setup.cache_dir())

@@ -164,7 +164,7 @@ def test_calls_from_two_streams_at_once_stay_apart():
     a, b = torch.randn(3_000_000, generator=g) + 10, torch.randn(2_000_000, generator=g) - 4
     buffers = StatBuffers(2, 2, "cpu", full=True, hist_bins=40)
     workspace = torch.zeros(CUDA_WORKSPACE_DOUBLES, dtype=torch.float64)
-    args = (*buffers.op_args()[:6], workspace, *buffers.op_args()[7:])
+    args = (*buffers.op_args()[:7], workspace, *buffers.op_args()[8:])
     errors = []
 
     def call(x, slot, stream):

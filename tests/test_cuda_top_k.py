@@ -159,10 +159,10 @@ def test_the_workspace_grows_only_with_top_k():
     # Room for fewer pairs than the call keeps is refused; more serves it.
     small = torch.zeros(cuda_workspace_doubles(4), dtype=torch.float64)
     args = list(b.op_args())
-    args[6] = small
+    args[7] = small
     with pytest.raises(RuntimeError, match="cuda_workspace_doubles"):
         cuda_on_cpu.accumulate(x, *args, 0)
-    args[6] = torch.zeros(cuda_workspace_doubles(16), dtype=torch.float64)
+    args[7] = torch.zeros(cuda_workspace_doubles(16), dtype=torch.float64)
     cuda_on_cpu.accumulate(x, *args, 0)
     want = StatBuffers(1, 1, "cpu", full=True, hist_bins=0, top_k=5)
     accumulate_stats_python(x, *want.op_args(), 0)

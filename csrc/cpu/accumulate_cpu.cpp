@@ -146,10 +146,10 @@ Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_
   const int k = static_cast<int>(top.size());
   if (n <= kChunk) {  // a hook's typical call: no thread hand-off
     std::vector<uint32_t> rows(rows_size);
-    const Stats s = chunk(0, n,
-                          ChunkCounts{hist ? rows.data() : nullptr,
-                                      binned ? binades.data() : nullptr, k ? top.data() : nullptr,
-                                      channels});
+    const Stats s =
+        chunk(0, n,
+              ChunkCounts{hist ? rows.data() : nullptr, binned ? binades.data() : nullptr,
+                          k ? top.data() : nullptr, channels});
     if (hist) flush_rows(rows, counts);
     return s;
   }
@@ -194,10 +194,10 @@ Stats chunked_stats(int64_t n, bool hist, const Chunk& chunk, std::vector<int64_
 template <bool Full, typename T, typename Acc>
 Stats merge_into_slot(const T* p, const T* base, int64_t n, ChunkFn<T, Acc> kernel,
                       ChunkFn<Acc, Acc> difference_kernel, ChannelFn<T> channel_kernel,
-                      const ChunkParams<Acc>& params,
-                      std::vector<int64_t>& counts, std::vector<int64_t>& binades,
-                      std::vector<TopPair>& top, ChannelSums* channels, double near_zero,
-                      const ChannelMap& map, const SlotPointers& slot) {
+                      const ChunkParams<Acc>& params, std::vector<int64_t>& counts,
+                      std::vector<int64_t>& binades, std::vector<TopPair>& top,
+                      ChannelSums* channels, double near_zero, const ChannelMap& map,
+                      const SlotPointers& slot) {
   const int k = static_cast<int>(top.size());
   const bool hist = params.bins != nullptr;
   Stats batch;
@@ -300,20 +300,21 @@ Destination destination(const Tensor& state, const Tensor& stats, const Tensor& 
           : nullptr;
   const bool summed = channels != nullptr && channels->numel() > 0;
   const int64_t max_channels = summed ? channels->size(2) : 0;
-  double* channel_row =
-      summed ? static_cast<double*>(channels->mutable_data_ptr()) + slot * kChannelPlanes * max_channels
-             : nullptr;
-  return {at,    hist.numel() > 0 ? cell * hist.size(2) : 0, binade_row, top_row, top_k,
-          channel_row, max_channels};
+  double* channel_row = summed ? static_cast<double*>(channels->mutable_data_ptr()) +
+                                     slot * kChannelPlanes * max_channels
+                               : nullptr;
+  return {at,          hist.numel() > 0 ? cell * hist.size(2) : 0,
+          binade_row,  top_row,
+          top_k,       channel_row,
+          max_channels};
 }
 
 // Returns the call's own statistics.
 template <typename T, typename Acc>
 Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const (&kernels)[2],
                  ChunkFn<Acc, Acc> const (&difference_kernels)[2], ChannelFn<T> channel_kernel,
-                 bool full, const Destination& to,
-                 double near_zero, const Tensor& hist, double hist_min, double hist_max,
-                 const ChannelMap& map) {
+                 bool full, const Destination& to, double near_zero, const Tensor& hist,
+                 double hist_min, double hist_max, const ChannelMap& map) {
   const int64_t bins = hist.numel() > 0 ? hist.size(2) : 0;
   std::vector<Acc> lower;  // empty, and no allocation, without a histogram
   for (int64_t k = 0; bins > 0 && k <= bins; ++k) {
@@ -335,9 +336,11 @@ Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const 
   const int f = full ? 1 : 0;
   const Stats call =
       full ? merge_into_slot<true>(p, b, dense.numel(), kernels[f], difference_kernels[f],
-                                   channel_kernel, params, counts, binades, top, summed, near_zero, map, to.slot)
+                                   channel_kernel, params, counts, binades, top, summed, near_zero,
+                                   map, to.slot)
            : merge_into_slot<false>(p, b, dense.numel(), kernels[f], difference_kernels[f],
-                                    channel_kernel, params, counts, binades, top, summed, near_zero, map, to.slot);
+                                    channel_kernel, params, counts, binades, top, summed, near_zero,
+                                    map, to.slot);
   if (summed != nullptr) {
     channels.add_to_row(to.channels, to.max_channels, map.offset,
                         static_cast<double>(dense.numel() / map.size));
@@ -389,8 +392,8 @@ Stats accumulate_one(const Tensor& dense, const Tensor* base, const Tensor& stat
   const ChunkKernels& k = cpu_kernels();
   return dispatch_dtype(dtype_of(dense), [&](auto tag) {
     return accumulate(dense, base, kernels_of(k, tag), difference_kernels_of(k, tag),
-                      channel_kernel_of(k, tag), full, to,
-                      near_zero, hist, hist_min, hist_max, map);
+                      channel_kernel_of(k, tag), full, to, near_zero, hist, hist_min, hist_max,
+                      map);
   });
 }
 
@@ -414,10 +417,9 @@ void note_order(const Tensor& order, const Tensor& clock, const Tensor& cursor, 
 void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& stats,
                           const Tensor& extra, const Tensor& hist, const Tensor& binades,
                           const Tensor& top, const Tensor& channels, const Tensor& workspace,
-                          const Tensor& order,
-                          const Tensor& clock, const Tensor& cursor, int64_t slot, double near_zero,
-                          double hist_min, double hist_max, int64_t channel_dim,
-                          int64_t channel_offset) {
+                          const Tensor& order, const Tensor& clock, const Tensor& cursor,
+                          int64_t slot, double near_zero, double hist_min, double hist_max,
+                          int64_t channel_dim, int64_t channel_offset) {
   const bool full = check_accumulate_args(x, state, stats, extra, hist, &binades, workspace, cursor,
                                           slot, hist_min, hist_max);
   check_top(top, x, state, channel_dim, channel_offset);
@@ -439,8 +441,7 @@ void accumulate_stats_list_cpu(std::vector<Tensor> xs, std::vector<Tensor> bases
   for (size_t i = 0; i < list.xs.size(); ++i) {
     accumulate_one(list.xs[i], list.bases.empty() ? nullptr : &list.bases[i], state, stats, extra,
                    hist, nullptr, nullptr, nullptr, ChannelMap{1, 1, 0}, cursor,
-                   static_cast<int64_t>(i),
-                   list.full, near_zero, hist_min, hist_max);
+                   static_cast<int64_t>(i), list.full, near_zero, hist_min, hist_max);
   }
 }
 

@@ -118,7 +118,8 @@ inline void add_rows(const Acc* p, int64_t rows, int64_t size, Acc near_zero, Ch
       LaneSums<Acc> sums[kChannelUnroll];
       for (int64_t r = r0; r < r1; ++r) {
         const Acc* row = p + r * size + c;
-        for (int64_t u = 0; u < kChannelUnroll; ++u) sums[u].add(V::load(row + u * V::lanes), limit);
+        for (int64_t u = 0; u < kChannelUnroll; ++u)
+          sums[u].add(V::load(row + u * V::lanes), limit);
       }
       for (int64_t u = 0; u < kChannelUnroll; ++u) {
         for (int64_t l = 0; l < V::lanes; ++l) sums[u].fold_lane(l, c + u * V::lanes + l, to);

@@ -62,11 +62,14 @@ void check_cu(CUresult status, const char* what) {
 }
 
 constexpr int kMaxDevices = 64;
-constexpr int kVariants = 4 * 2 * 2 * 3 * 2 * 2 * 2;
+constexpr int kVariants = 4 * 2 * 2 * 3 * 2 * 2 * 2 * 2;
 
 int variant_index(const KernelVariant& v) {
-  return (((((v.dtype * 2 + v.list) * 2 + v.full) * 3 + v.hist) * 2 + v.diff) * 2 + v.binades) * 2 +
-         v.top;
+  return ((((((v.dtype * 2 + v.list) * 2 + v.full) * 3 + v.hist) * 2 + v.diff) * 2 + v.binades) *
+              2 +
+          v.top) *
+             2 +
+         v.channels;
 }
 
 struct DeviceFacts {
@@ -248,15 +251,15 @@ void fasthooks_cuda_setup(void* const* functions, const char* cache_dir, double 
   s.ready.store(unavailable == nullptr, std::memory_order_release);
 }
 
-// Compiles kernel (dtype position, list, full, histogram bins or 0, diff, binades, top) for
-// compute capability `arch` into the cache, or finds it there, with no GPU: 1 compiled, 0 found;
-// -1 on failure. `out` gets the cache file, or the error.
+// Compiles kernel (dtype position, list, full, histogram bins or 0, diff, binades, top, channels)
+// for compute capability `arch` into the cache, or finds it there, with no GPU: 1 compiled, 0
+// found; -1 on failure. `out` gets the cache file, or the error.
 int fasthooks_cuda_compile(int dtype, int list, int full, int bins, int diff, int binades, int top,
-                           int arch, char* out, size_t out_size) {
+                           int channels, int arch, char* out, size_t out_size) {
   using namespace fasthooks::cuda;
   try {
-    const KernelVariant v =
-        variant_of(dtype, list != 0, full != 0, bins, diff != 0, binades != 0, top != 0);
+    const KernelVariant v = variant_of(dtype, list != 0, full != 0, bins, diff != 0, binades != 0,
+                                       top != 0, channels != 0);
     const KernelImage image = kernel_image(compiler_api(), setup().cache, v, arch, /*log=*/false);
     copy_out(image.path, out, out_size);
     return image.compiled ? 1 : 0;
@@ -271,7 +274,7 @@ int fasthooks_cuda_compile(int dtype, int list, int full, int bins, int diff, in
 int fasthooks_cuda_prepare(int device, char* out, size_t out_size) {
   using namespace fasthooks::cuda;
   try {
-    kernel_on(variant_of(0, false, false, 0, false, false, false), device);
+    kernel_on(variant_of(0, false, false, 0, false, false, false, false), device);
     copy_out("", out, out_size);
     return 0;
   } catch (const std::exception& error) {

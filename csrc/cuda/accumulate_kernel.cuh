@@ -13,12 +13,10 @@
 // block, in kernels of their own. With top_k (kernels of their own too), each warp keeps the k
 // pairs of largest magnitude it has seen in shared memory; each block writes its warps' best to
 // the workspace, and the last block merges those with the slot's row (top.h: a total order, so
-// the result is the same whatever the blocks and the order they finish in).
+// the result is the same whatever the blocks and the order they finish in). With channel
+// statistics (kernels of their own too), the blocks add each channel's sums to the module's row
+// first, in a pass of their own (channel_sums.cuh).
 #pragma once
-
-#include "../binades.h"
-#include "../histogram.h"
-#include "kernel_layout.h"
 
 // The block's dynamic shared memory; the emulation defines its own before including this file.
 #ifndef FASTHOOKS_DYNAMIC_SHARED
@@ -28,6 +26,11 @@
 #ifndef FASTHOOKS_NOINLINE
 #define FASTHOOKS_NOINLINE __noinline__
 #endif
+
+#include "../binades.h"
+#include "../histogram.h"
+#include "channel_sums.cuh"
+#include "kernel_layout.h"
 
 namespace fasthooks {
 namespace cuda {
@@ -773,12 +776,18 @@ __device__ inline int64_t column_or_drop(const Buffers& b, unsigned long long ca
   return -1;
 }
 
-template <typename T, typename Acc, bool Full, int Hist, bool Diff, bool Binades, bool TopK>
+template <typename T, typename Acc, bool Full, int Hist, bool Diff, bool Binades, bool TopK,
+          bool Channels>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     accumulate_stats_kernel(const T* __restrict__ x, const T* __restrict__ base, int64_t n,
-                            int64_t head, Buffers b, TopBuffers top) {
+                            int64_t head, Buffers b, TopBuffers top, ChannelBuffers channels) {
   const int64_t column = column_or_drop(b, 1);
   if (column < 0) return;
+  // Kernels without channel statistics leave the ChannelBuffers alone, and keep their code.
+  static_assert(!(Channels && Diff), "channel statistics are kept of values, not of differences");
+  if constexpr (Channels) {
+    add_channel_sums<T, Acc>(x, n, channels, b.near_zero, blockIdx.x, gridDim.x);
+  }
   // A kernel without top_k passes no TopBuffers on, and keeps its code.
   if constexpr (TopK) {
     accumulate_block<T, Acc, Full, Hist, Binades, TopK, Diff>(

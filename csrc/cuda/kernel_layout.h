@@ -3,6 +3,7 @@
 // the kernels (accumulate_kernel.cuh); the host side (launch_plan.h) fills what it declares.
 #pragma once
 
+#include "../channels.h"
 #include "../device_base.h"
 #include "../stats.h"
 #include "../top.h"
@@ -120,6 +121,16 @@ struct TopBuffers {
   double* lists;
   int64_t k;
   ChannelMap channels;
+};
+
+// The channel statistics' (channels.h), an argument of the one-tensor kernels of their own too:
+// the module's row of kChannelPlanes planes of max_channels doubles, null without them; the
+// channel of each position; the values each channel has in the call.
+struct ChannelBuffers {
+  double* row;
+  int64_t max_channels;
+  ChannelMap channels;
+  double per_channel;
 };
 
 // One launch of the list kernel: up to kListTensors tensors of one dtype, tensor t taking blocks

@@ -20,11 +20,14 @@ inline std::string name_expression(const KernelVariant& v) {
          (v.list ? "accumulate_list_kernel<" : "accumulate_stats_kernel<") + value_type_name(v) +
          ", " + (sums_in_double(v) ? "double" : "float") + ", " + flag(v.full) + ", " +
          std::to_string(v.hist) + ", " + flag(v.diff) +
-         (v.list ? std::string() : std::string(", ") + flag(v.binades) + ", " + flag(v.top)) + ">";
+         (v.list ? std::string()
+                 : std::string(", ") + flag(v.binades) + ", " + flag(v.top) + ", " +
+                       flag(v.channels)) +
+         ">";
 }
 
 // For example "bfloat16-list-full-hist" (bins per block), "float32-basic-threadhist" or
-// "float16-full-binades-top".
+// "float16-full-binades-top-channels".
 inline std::string variant_label(const KernelVariant& v) {
   constexpr const char* kDtypes[] = {"float32", "float64", "float16", "bfloat16"};
   std::string label = kDtypes[v.dtype];
@@ -35,6 +38,7 @@ inline std::string variant_label(const KernelVariant& v) {
   if (v.diff) label += "-diff";
   if (v.binades) label += "-binades";
   if (v.top) label += "-top";
+  if (v.channels) label += "-channels";
   return label;
 }
 

@@ -113,9 +113,9 @@ void for_each_table(const T* const* x, const T* const* base, const int64_t* n, c
 
 // Which kernel a launch runs: accumulate_stats_kernel or, for a list, accumulate_list_kernel,
 // instantiated for a dtype (its dtype_position), the statistics asked for, how a histogram of
-// `bins` bins is counted (kernel_layout.h) and whether binades and top_k are. With a base
-// (diff), every statistic is; binades and top_k only by accumulate_stats_kernel of values, not of
-// a difference.
+// `bins` bins is counted (kernel_layout.h) and whether binades, top_k and channel statistics
+// are. With a base (diff), every statistic is; binades, top_k and channel statistics only by
+// accumulate_stats_kernel of values, not of a difference.
 struct KernelVariant {
   int dtype;
   bool list;
@@ -124,14 +124,16 @@ struct KernelVariant {
   bool diff;
   bool binades;
   bool top;
+  bool channels;
 };
 
 inline KernelVariant variant_of(int dtype, bool list, bool full, int64_t bins, bool diff,
-                                bool binades, bool top) {
+                                bool binades, bool top, bool channels) {
   const int hist =
       bins == 0 ? kNoHistogram : (bins <= kThreadBins ? kBinsPerThread : kBinsPerBlock);
   const bool values = !list && !diff;
-  return {dtype, list, full || diff, hist, diff, binades && values, top && values};
+  return {
+      dtype, list, full || diff, hist, diff, binades && values, top && values, channels && values};
 }
 
 // float64 values are summed in double, every other dtype in float (Accumulator).

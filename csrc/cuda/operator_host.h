@@ -26,15 +26,16 @@ struct OperatorHost {
   // One launch of the kernel for T on `stream`, over x (minus base, when given).
   template <typename T>
   static void launch(const Tensor& x, const Tensor* base, const Buffers& buffers,
-                     const TopBuffers& top, bool full, Stream stream, int device) {
+                     const TopBuffers& top, const ChannelBuffers& channels, bool full,
+                     Stream stream, int device) {
     const T* p = static_cast<const T*>(x.const_data_ptr());
     const T* b = base != nullptr ? static_cast<const T*>(base->const_data_ptr()) : nullptr;
     const int64_t n = x.numel();
     const KernelVariant kernel =
         variant_of(dtype_position(dtype_of(x)), false, full, buffers.bins, b != nullptr,
-                   buffers.binades != nullptr, top.rows != nullptr);
+                   buffers.binades != nullptr, top.rows != nullptr, channels.row != nullptr);
     const LaunchPlan plan = plan_launch(p, b, n, Device::resident_blocks(kernel, device));
-    Device::launch(kernel, plan.blocks, stream, device, p, b, n, plan.head, buffers, top);
+    Device::launch(kernel, plan.blocks, stream, device, p, b, n, plan.head, buffers, top, channels);
   }
 
   // Tensors of one dtype, read in place or as copies, and their slots.
@@ -59,7 +60,7 @@ struct OperatorHost {
     }
     const bool diff = !group.base.empty();
     const KernelVariant kernel = variant_of(dtype_position(dtype_of(group.x[0])), true, full,
-                                            buffers.bins, diff, false, false);
+                                            buffers.bins, diff, false, false, false);
     const int64_t resident = Device::resident_blocks(kernel, device);
     for_each_table(x.data(), diff ? base.data() : nullptr, n.data(), group.slot.data(),
                    static_cast<int64_t>(x.size()), resident, [&](const TensorTable& table) {
@@ -118,17 +119,14 @@ struct OperatorHost {
 
   static void accumulate_stats(const Tensor& x, const Tensor& state, const Tensor& stats,
                                const Tensor& extra, const Tensor& hist, const Tensor& binades,
-                               const Tensor& top, const Tensor& channels,
-                               const Tensor& workspace, const Tensor& order,
-                               const Tensor& clock, const Tensor& cursor, int64_t slot,
-                               double near_zero, double hist_min, double hist_max,
+                               const Tensor& top, const Tensor& channels, const Tensor& workspace,
+                               const Tensor& order, const Tensor& clock, const Tensor& cursor,
+                               int64_t slot, double near_zero, double hist_min, double hist_max,
                                int64_t channel_dim, int64_t channel_offset) {
     const bool full = check_accumulate_args(x, state, stats, extra, hist, &binades, workspace,
                                             cursor, slot, hist_min, hist_max);
     check_top(top, x, state, channel_dim, channel_offset);
     check_channels(channels, x, state, channel_dim, channel_offset);
-    FASTHOOKS_CHECK(channels.numel() == 0,
-                    "accumulate_stats: channel statistics are not kept on CUDA yet");
     const int64_t top_k = top.numel() > 0 ? top.size(2) : 0;
     const bool ordered = check_call_order(order, clock, state);
     const int device = x.get_device_index();
@@ -151,9 +149,20 @@ struct OperatorHost {
       top_buffers.k = top_k;
       top_buffers.channels = channel_map(dense, channel_dim, channel_offset);
     }
+    // Not per column: the module's running sums, whatever the cursor.
+    ChannelBuffers channel_buffers{};
+    if (channels.numel() > 0) {
+      const int64_t max_channels = channels.size(2);
+      channel_buffers.row =
+          static_cast<double*>(channels.mutable_data_ptr()) + slot * kChannelPlanes * max_channels;
+      channel_buffers.max_channels = max_channels;
+      channel_buffers.channels = channel_map(dense, channel_dim, channel_offset);
+      channel_buffers.per_channel =
+          static_cast<double>(dense.numel() / channel_buffers.channels.size);
+    }
     dispatch_dtype(dtype_of(dense), [&](auto tag) {
-      launch<typename decltype(tag)::type>(dense, nullptr, buffers, top_buffers, full, call.stream,
-                                           device);
+      launch<typename decltype(tag)::type>(dense, nullptr, buffers, top_buffers, channel_buffers,
+                                           full, call.stream, device);
     });
   }
 

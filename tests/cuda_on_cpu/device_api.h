@@ -369,6 +369,7 @@ inline unsigned __float2uint_rz(float v) { return saturated_unsigned(v); }
 inline unsigned __double2uint_rz(double v) { return saturated_unsigned(v); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline unsigned __float_as_uint(float v) { return std::bit_cast<unsigned>(v); }
+inline float __uint_as_float(unsigned v) { return std::bit_cast<float>(v); }
 inline long long __double_as_longlong(double v) { return std::bit_cast<long long>(v); }
 inline double __longlong_as_double(long long v) { return std::bit_cast<double>(v); }
 inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
@@ -377,6 +378,14 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
 }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
   return std::atomic_ref<unsigned long long>(*p).fetch_add(v);
+}
+inline double atomicAdd(double* p, double v) { return std::atomic_ref<double>(*p).fetch_add(v); }
+inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) {
+  std::atomic_ref<unsigned long long> at(*p);
+  unsigned long long seen = at.load();
+  while (seen < v && !at.compare_exchange_weak(seen, v)) {
+  }
+  return seen;
 }
 inline unsigned atomicCAS(unsigned* p, unsigned compare, unsigned v) {
   std::atomic_ref<unsigned>(*p).compare_exchange_strong(compare, v);

@@ -72,13 +72,14 @@ struct Emulated {
         using Acc = typename Accumulator<T>::type;
         constexpr bool kFull = decltype(full)::value, kDiff = decltype(diff)::value;
         constexpr int kHist = decltype(hist)::value;
-        // Binades and top_k only of values (variant_of): a kernel of a difference has neither.
+        // Binades, top_k and channel statistics only of values (variant_of): a kernel of a
+        // difference has none.
         if constexpr (kDiff) {
-          f(accumulate_stats_kernel<T, Acc, kFull, kHist, kDiff, false, false>);
+          f(accumulate_stats_kernel<T, Acc, kFull, kHist, kDiff, false, false, false>);
         } else {
-          with_extras(v, [&](auto binades, auto top) {
+          with_extras(v, [&](auto binades, auto top, auto channels) {
             f(accumulate_stats_kernel<T, Acc, kFull, kHist, kDiff, decltype(binades)::value,
-                                      decltype(top)::value>);
+                                      decltype(top)::value, decltype(channels)::value>);
           });
         }
       });
@@ -98,12 +99,17 @@ struct Emulated {
 
   template <typename F>
   static void with_extras(const KernelVariant& v, F&& f) {
-    using Yes = std::true_type;
-    using No = std::false_type;
-    if (v.binades && v.top) return f(Yes{}, Yes{});
-    if (v.binades) return f(Yes{}, No{});
-    if (v.top) return f(No{}, Yes{});
-    f(No{}, No{});
+    with_flag(v.binades, [&](auto binades) {
+      with_flag(v.top, [&](auto top) {
+        with_flag(v.channels, [&](auto channels) { f(binades, top, channels); });
+      });
+    });
+  }
+
+  template <typename F>
+  static void with_flag(bool on, F&& f) {
+    if (on) return f(std::true_type{});
+    f(std::false_type{});
   }
 
   template <typename F>
