@@ -33,19 +33,26 @@ struct ChannelVectors {
   }
 };
 
-// The sums of values in vector lanes, each lane in working precision.
+// The sums of values in vector lanes, each lane in working precision but the squares, which are
+// taken in double: a float square leaves float's range from |v| of 2^64 up and 2^-75 down.
+typedef double WideOfFloat __attribute__((vector_size(2 * kVectorBytes)));
+typedef double WideOfDouble __attribute__((vector_size(kVectorBytes)));
+
 template <typename Acc>
 struct LaneSums {
   using V = ChannelVectors<Acc>;
-  typename V::Vec sum{}, sum_sq{};
+  using Wide = std::conditional_t<sizeof(Acc) == 4, WideOfFloat, WideOfDouble>;
+  typename V::Vec sum{};
+  Wide sum_sq{};
   typename V::Index absmax{}, active{};
 
   void add(const typename V::Vec& v, const typename V::Vec& limit) {
     const typename V::Index bits = V::magnitude_bits(v);
     typename V::Vec a;
     std::memcpy(&a, &bits, sizeof a);
+    const Wide w = __builtin_convertvector(v, Wide);
     sum += v;
-    sum_sq += v * v;
+    sum_sq += w * w;
     absmax = bits > absmax ? bits : absmax;
     active -= a > limit;  // true is -1; NaN is not above
   }
