@@ -5,8 +5,8 @@ The operator adds every hooked call's values to the open batch's per-channel sum
 activations' device (`StatBuffers.channels`, `layout.CHANNEL_PLANES`). A training batch's sums
 join those of its period when it closes (a batch closed with `train=False` drops its own), and
 every `channel_every` recorded batches `ChannelSnapshots.take` keeps the period's sums, only the
-channels each module has, and starts a new period: device work, no host sync. Reading pads each module to the largest channel count with
-NaN. The sums (not statistics) are kept, so ranks merge them exactly.
+channels each module has, and starts a new period: device work, no host sync. Reading pads
+each module to the largest channel count with NaN. The sums (not statistics) are kept, so ranks merge them exactly.
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ def kurtosis_over_channels(values: torch.Tensor) -> torch.Tensor:
     m2 = (d * d).sum(-2) / n
     m4 = (d**4).sum(-2) / n
     kurtosis = m4 / (m2 * m2)
-    return torch.where((n > 1) & (m2 > 0), kurtosis, torch.full_like(kurtosis, float("nan"))).float()
+    return torch.where(
+        (n > 1) & (m2 > 0), kurtosis, torch.full_like(kurtosis, float("nan"))
+    ).float()
 
 
 def dead_channels(active: torch.Tensor) -> torch.Tensor:
@@ -98,10 +100,12 @@ class ChannelSnapshots:
         >>> b = StatBuffers(1, 1, "cpu", full=False, hist_bins=0)
         >>> b.resize_channels(2)
         >>> snapshots = ChannelSnapshots(every=2, keep=None)
+        >>> def record(values):
+        ...     accumulate_stats_python(torch.tensor([values]), *b.op_args(), 0, 0.05, 0.0, 1.0)
         >>> for batch in range(4):
-        ...     accumulate_stats_python(torch.tensor([[1.0, -2.0]]), *b.op_args(), 0, 0.05, 0.0, 1.0)
+        ...     record([1.0, -2.0])
         ...     snapshots.batch_recorded(b, batch, [2])
-        ...     accumulate_stats_python(torch.tensor([[5.0, 5.0]]), *b.op_args(), 0, 0.05, 0.0, 1.0)
+        ...     record([5.0, 5.0])
         ...     snapshots.batch_dropped(b)
         >>> snapshots.read(1, 2)[0, :, 1].tolist(), snapshots.bounds()
         ([[2.0, 2.0], [-4.0, -4.0], [8.0, 8.0], [2.0, 2.0], [2.0, 2.0]], [(0, 1), (2, 3)])
