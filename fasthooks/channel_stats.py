@@ -6,7 +6,8 @@ activations' device (`StatBuffers.channels`, `layout.CHANNEL_PLANES`). A trainin
 join those of its period when it closes (a batch closed with `train=False` drops its own), and
 every `channel_every` recorded batches `ChannelSnapshots.take` keeps the period's sums, only the
 channels each module has, and starts a new period: device work, no host sync. Reading pads
-each module to the largest channel count with NaN. The sums (not statistics) are kept, so ranks merge them exactly.
+each module to the largest channel count with NaN. The sums (not statistics) are kept, so ranks
+merge them exactly.
 """
 
 from __future__ import annotations
