@@ -41,7 +41,7 @@ export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 
 .PHONY: help setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa \
 	test-cuda-kernels test-wheel test-sdist wheel wheel-venv sdist docs lint bench bench-train bench-quick \
-	bench-cpu bench-params bench-monitors bench-nonfinite bench-low-precision bench-window bench-allreduce bench-abi \
+	bench-cpu bench-params bench-monitors bench-nonfinite bench-low-precision bench-channels bench-window bench-allreduce bench-abi \
 	bench-roofline bench-compile clean
 
 ## help: this list of targets
@@ -281,6 +281,10 @@ bench-window: build
 ## bench-low-precision: the binades extra beside every other extra, torch.sum and hand-rolled counts
 bench-low-precision: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/low_precision.py --out results/low_precision
+
+## bench-channels: per-channel statistics per layout beside torch.sum and hand-rolled torch ops
+bench-channels: build
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/channel_stats.py --out results/channel_stats
 
 ## bench-nonfinite: the non-finite guard beside DebugUnderflowOverflow and detect_anomaly
 bench-nonfinite: build

@@ -213,3 +213,15 @@ def test_the_low_precision_benchmark_times_binades_beside_the_read_floor(tmp_pat
     assert "| float32 | every extra + top_k=16 |" in table
     results = json.loads((out / "results.json").read_text())
     assert all(t["median_s"] > 0 for t in results["float32"].values())
+
+
+@FUSED
+def test_the_channel_benchmark_times_each_layout_beside_the_read_floor(tmp_path):
+    out = tmp_path / "channel_stats"
+    _run_script("channel_stats.py", "--numel", "65536", "--channels", "16", "--rounds", "1",
+                "--out", str(out))  # fmt: skip
+    table = (out / "results.md").read_text()
+    for layout in ("NCHW", "channels_last", "(tokens, channels)"):
+        assert f"| float32 | {layout} | mean and std + channels |" in table
+    results = json.loads((out / "results.json").read_text())
+    assert all(t["median_s"] > 0 for v in results.values() for t in v.values())
