@@ -32,13 +32,15 @@ def _default_options():
     cuda_on_cpu.configure()
 
 
-def _run(accumulate, calls, *, channels=True, bins=0, top_k=0, column=1, **options):
-    """The buffers after calls[i] = (x, channel_dim, channel_offset) went to slot 1."""
+def _run(accumulate, calls, *, channels=True, bins=0, top_k=0, column=1, fresh=False, **options):
+    """The buffers after calls[i] = (x, channel_dim, channel_offset) went to slot 1; `fresh`: the
+    channels buffer zeros, not running sums from before."""
     b = StatBuffers(2, 3, "cpu", full=True, hist_bins=bins, binades=bins > 0, top_k=top_k)
     b.resize_channels(MAX_CHANNELS)
-    # Running sums from before, added to (whole counts, as they are), not overwritten.
-    before = torch.randint(0, 100, b.channels.shape, generator=torch.Generator().manual_seed(0))
-    b.channels.copy_(before)
+    if not fresh:
+        # Running sums from before, added to (whole counts, as they are), not overwritten.
+        g = torch.Generator().manual_seed(0)
+        b.channels.copy_(torch.randint(0, 100, b.channels.shape, generator=g))
     if not channels:
         # An empty buffer keeps none: the same held sums stay beside, untouched.
         held, b.channels = b.channels, b.channels.new_empty(0)
@@ -102,6 +104,49 @@ def test_channel_sums_of_every_layout_are_python(dtype):
                 _assert_channels_match_python([(x, channel_dim, offset)])
             except AssertionError as error:
                 raise AssertionError(f"{name}, channel_offset {offset}: {error}") from error
+
+
+def _scaled_channels(dtype, g):
+    """(rows, C) values of dtype: channel k of 61 N(0, 1) times 10**(k - 30), then one of +-max
+    and one of small multiples of the smallest normal (float32's whole finite range, bfloat16's
+    too: the same exponents)."""
+    info = torch.finfo(dtype)
+    rows = 300
+    scales = torch.tensor([10.0**k for k in range(-30, 31)], dtype=torch.float64)
+    x = torch.randn(rows, len(scales), generator=g, dtype=torch.float64) * scales
+    signs = torch.randint(0, 2, (rows, 1), generator=g) * 2.0 - 1.0
+    tiny = torch.randint(1, 9, (rows, 1), generator=g) * signs.flip(0) * info.tiny
+    return torch.cat([x, signs * info.max, tiny], 1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mean_and_rms_from_1e_30_to_1e30(dtype):
+    """Squares and sums are taken in double: channels from 1e-30 to 1e30 (and at the ends of
+    float's range) read the Python backend's mean and rms, neither inf nor 0."""
+    from fasthooks.channel_stats import channel_statistics
+
+    g = torch.Generator().manual_seed(6)
+    rows = _scaled_channels(dtype, g)
+    nchw = rows.t().reshape(1, -1, 20, 15).repeat(2, 1, 1, 1)
+    for name, calls in (
+        ("(tokens, C)", [(rows, 1, 0)]),
+        ("NCHW", [(nchw, 1, 100)]),
+        ("channels_last", [(nchw.contiguous(memory_format=torch.channels_last), 1, 200)]),
+    ):
+        got = _run(cuda_on_cpu.accumulate, calls, fresh=True).channels[1]
+        want = _run(accumulate_stats_python, calls, fresh=True).channels[1]
+        for plane in (CHANNEL_COUNT, CHANNEL_ABSMAX, CHANNEL_ACTIVE):
+            assert torch.equal(got[plane], want[plane]), (name, plane)
+        a = channel_statistics(got, ("mean", "rms"))
+        b = channel_statistics(want, ("mean", "rms"))
+        seen = want[CHANNEL_COUNT] > 0
+        assert seen.sum() == rows.shape[1], name
+        rms = b["rms"][seen].double()
+        assert (rms > 0).all() and rms.isfinite().all(), name
+        for stat in ("mean", "rms"):
+            error = (a[stat][seen].double() - b[stat][seen].double()).abs()
+            bad = (~(error <= 1e-6 * rms)).nonzero().flatten().tolist()  # NaN is bad
+            assert not bad, (name, stat, bad[:5], a[stat][seen][bad[:5]], b[stat][seen][bad[:5]])
 
 
 def _with_specials(x, g):

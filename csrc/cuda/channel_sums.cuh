@@ -2,12 +2,12 @@
 // magnitude and active count of each channel, added to the module's row with global atomics.
 //
 // They take a traversal of their own, in the same launch, before the statistics' pass: a thread
-// keeps one channel for many values, so its sums stay in registers (working precision for at
-// most kChannelFold values, then double) and reach the row by a few atomics per thread, where
-// the statistics' grid-stride order would give every load another channel. That reads the tensor
-// twice; the second read is in the opposite order, so what the first left in L2 is read again
-// first (all of it for a tensor that fits), and the statistics keep their code and results bit
-// for bit. Two layouts:
+// keeps one channel for many values, so its sums stay in registers (in double, each value
+// widened first, folded every kChannelFold values) and reach the row by a few atomics per
+// thread, where the statistics' grid-stride order would give every load another channel. That
+// reads the tensor twice; the second read is in the opposite order, so what the first left in L2
+// is read again first (all of it for a tensor that fits), and the statistics keep their code and
+// results bit for bit. Two layouts:
 // - a stride-1 channel axis (rows of C channels: (..., C), channels_last): a block takes a tile
 //   of up to kThreads channels over a part of the rows, each thread one channel down the rows
 //   (a warp's loads coalesce along the row), threads that share a channel (C < kThreads) summed
@@ -23,8 +23,7 @@
 namespace fasthooks {
 namespace cuda {
 
-// Values summed in working precision before they are added in double: float's rounding over so
-// few stays near its own.
+// Values summed in a lane's partial sums before they are added to its totals.
 constexpr int kChannelFold = 64;
 // Values a warp takes at a time along runs of one channel: kChannelFold per lane.
 constexpr int64_t kChannelPiece = 32 * kChannelFold;
@@ -50,26 +49,28 @@ struct MagnitudeBits<double> {
   using type = uint64_t;
 };
 
-// One lane's sums of the values of one channel: those since the last fold in Acc, the rest in
-// double; the largest magnitude as its bits.
+// One lane's sums of the values of one channel: those since the last fold, the rest; the largest
+// magnitude (of the value in Acc) as its bits.
 template <typename Acc>
 struct ChannelRun {
-  Acc sum = 0, sum_sq = 0;
+  double sum = 0, sum_sq = 0;
   typename MagnitudeBits<Acc>::type largest = 0;
   unsigned int active = 0;
   double total_sum = 0, total_sum_sq = 0;
 
   __device__ void add(Acc v, Acc near_zero) {
     const auto bits = magnitude_bits(v);
-    sum += v;
-    sum_sq += v * v;
+    // Double: float squares overflow past 1.8e19, underflow below 1e-19; the pass is load-bound.
+    const double w = static_cast<double>(v);
+    sum += w;
+    sum_sq += w * w;
     largest = bits > largest ? bits : largest;
     active += fabs(v) > near_zero ? 1u : 0u;  // NaN is not above
   }
   // At most every kChannelFold adds.
   __device__ void fold() {
-    total_sum += static_cast<double>(sum);
-    total_sum_sq += static_cast<double>(sum_sq);
+    total_sum += sum;
+    total_sum_sq += sum_sq;
     sum = 0;
     sum_sq = 0;
   }
