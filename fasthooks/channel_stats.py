@@ -25,6 +25,7 @@ from .layout import (
     CHANNEL_SUM,
     CHANNEL_SUM_SQ,
 )
+from .moments import add_channel_sums
 
 
 def channel_statistics(sums: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -129,9 +130,7 @@ class ChannelSnapshots:
         sums = buffers.channels
         if sums.numel() > 0:
             period = self._period_like(sums)
-            largest = torch.maximum(period[:, CHANNEL_ABSMAX], sums[:, CHANNEL_ABSMAX])
-            period.add_(sums)
-            period[:, CHANNEL_ABSMAX] = largest
+            period.copy_(add_channel_sums(period, sums))
         buffers.clear_channels()
         self.first = batch if self.first is None else self.first
         self.last = batch

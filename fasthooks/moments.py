@@ -412,10 +412,11 @@ def channel_sums(
 
 
 def add_channel_sums(held: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-    """Running per-channel sums `held` and `sums` together, as the kernels add them: every plane
-    summed, the largest magnitudes' maximum (NaN-propagating)."""
+    """Per-channel sums `held` and `sums` (planes along dim -2) together, as the kernels add
+    them: every plane summed, the largest magnitudes' maximum (NaN-propagating)."""
     added = held + sums
-    added[CHANNEL_ABSMAX] = torch.maximum(held[CHANNEL_ABSMAX], sums[CHANNEL_ABSMAX])
+    largest = torch.maximum(held.select(-2, CHANNEL_ABSMAX), sums.select(-2, CHANNEL_ABSMAX))
+    added.select(-2, CHANNEL_ABSMAX).copy_(largest)
     return added
 
 
