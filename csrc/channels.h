@@ -1,5 +1,7 @@
-// Per-channel statistics: one module's running sums per channel, added to by every call until
-// the recorder takes a snapshot and clears them. Shared by the CPU and CUDA kernels;
+// Per-channel statistics: running sums per channel, added to by every call until the recorder
+// takes a snapshot and clears them. Every module of a run shares one buffer of kChannelPlanes
+// planes, each module's channels a region of it that channel_offset names, so it takes the
+// channels the modules have, not modules times the widest. Shared by the CPU and CUDA kernels;
 // fasthooks/moments.py (channel_sums) computes the same planes.
 #pragma once
 
@@ -7,7 +9,7 @@
 
 namespace fasthooks {
 
-// The planes of a row, each max_channels doubles (fasthooks/layout.py, CHANNEL_PLANES).
+// The planes of the buffer, each as many doubles as the run keeps channels (fasthooks/layout.py, CHANNEL_PLANES).
 enum ChannelPlane { kChannelCount, kChannelSum, kChannelSumSq, kChannelAbsmax, kChannelActive };
 constexpr int kChannelPlanes = kChannelActive + 1;
 // The largest magnitudes merge with stats.h's nan_max: NaN once either is NaN.

@@ -264,16 +264,15 @@ void check_top(const Tensor& top, const Tensor& x, const Tensor& state, int64_t 
 void check_channels(const Tensor& channels, const Tensor& x, const Tensor& state,
                     int64_t channel_dim, int64_t channel_offset) {
   if (channels.numel() == 0) return;
-  FASTHOOKS_CHECK(channels.dim() == 3, "accumulate_stats: channels must have shape (modules, ",
-                  kChannelPlanes, ", max_channels), got ", shape_of(channels));
-  check_buffer(channels, "channels", ScalarType::Double,
-               {state.size(1), kChannelPlanes, channels.size(2)});
+  FASTHOOKS_CHECK(channels.dim() == 2, "accumulate_stats: channels must have shape (",
+                  kChannelPlanes, ", channels), got ", shape_of(channels));
+  check_buffer(channels, "channels", ScalarType::Double, {kChannelPlanes, channels.size(1)});
   FASTHOOKS_CHECK(place_of(channels) == place_of(state),
                   "accumulate_stats: channels must be on the state's device ", device_of(state),
                   ", got ", device_of(channels));
   const int64_t size = check_channel_args(x, channel_dim, channel_offset);
-  FASTHOOKS_CHECK(channel_offset + size <= channels.size(2),
-                  "accumulate_stats: channels has room for ", channels.size(2),
+  FASTHOOKS_CHECK(channel_offset + size <= channels.size(1),
+                  "accumulate_stats: channels has room for ", channels.size(1),
                   " channels, x of shape ", shape_of(x), " has ", size, " along channel_dim ",
                   channel_dim, " from channel_offset ", channel_offset);
 }

@@ -108,7 +108,7 @@ void check_top(const Tensor& top, const Tensor& x, const Tensor& state, int64_t 
                int64_t channel_offset);
 
 // The running per-channel sums (channels.h): empty keeps none; else float64
-// (modules, kChannelPlanes, max_channels) on the state's device, with room for x's channels
+// (kChannelPlanes, room) on the state's device, with room for x's channels
 // along channel_dim from channel_offset (channel_dim and channel_offset as for check_top).
 void check_channels(const Tensor& channels, const Tensor& x, const Tensor& state,
                     int64_t channel_dim, int64_t channel_offset);

@@ -49,7 +49,7 @@ class StatBuffers:
     as `layout.BUFFERS` declares them; with `ordered=False` no call order
     (`accumulate_stats_list`, which keeps none), with `binades=True` the binade counts, with
     `top_k=k` the k values of largest magnitude and their channels. `channels` (running
-    per-channel sums, not per column) starts empty: `resize_channels` gives it room.
+    per-channel sums, not per column or row) starts empty: `resize_channels` gives it room.
 
     Examples:
         >>> b = StatBuffers(3, 8, "cpu", full=True, hist_bins=40)
@@ -135,24 +135,21 @@ class StatBuffers:
         return self.state, self.stats, self.extra, self.hist, self.workspace, self.cursor
 
     @property
-    def max_channels(self) -> int:
-        """How many channels the running per-channel sums have room for (0: none kept)."""
-        return self.channels.shape[2] if self.channels.dim() == 3 else 0
+    def channel_room(self) -> int:
+        """How many channels, of every module together, the running per-channel sums have room
+        for (0: none kept)."""
+        return self.channels.shape[1] if self.channels.dim() == 2 else 0
 
-    def resize_channels(self, max_channels: int) -> None:
-        """Room for `max_channels` channels in the running per-channel sums, those so far kept."""
+    def resize_channels(self, room: int) -> None:
+        """Room for `room` channels in the running per-channel sums, those so far kept."""
         old = self.channels
         with torch.inference_mode(False):
             self.channels = torch.zeros(
-                self.num_modules,
-                len(CHANNEL_PLANES),
-                max_channels,
-                dtype=torch.float64,
-                device=old.device,
+                len(CHANNEL_PLANES), room, dtype=torch.float64, device=old.device
             )
-        if old.dim() == 3:
-            kept = min(old.shape[2], max_channels)
-            self.channels[:, :, :kept].copy_(old[:, :, :kept])
+        if old.dim() == 2:
+            kept = min(old.shape[1], room)
+            self.channels[:, :kept].copy_(old[:, :kept])
 
     def clear_channels(self) -> None:
         """Start the running per-channel sums again (magnitudes are at least 0, so every plane
@@ -204,9 +201,7 @@ class StatBuffers:
             old = getattr(self, spec.name)
             if old.numel() > 0:  # the rows are the axis before the columns
                 getattr(grown, spec.name).narrow(spec.axis - 1, 0, self.num_modules).copy_(old)
-        if self.max_channels:
-            grown.resize_channels(self.max_channels)
-            grown.channels[: self.num_modules].copy_(self.channels)
+        grown.channels = self.channels  # not per row
         return grown
 
     def clear_column(self) -> None:

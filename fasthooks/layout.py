@@ -15,10 +15,10 @@ activations' device:
 - `top`, float64 `(modules, batches, k, 2)` with `top_k=k`, else empty: the k values of largest
   magnitude of each slot and their channels, as (value, channel) pairs in the order of
   `moments.top_of`; NaN pairs where a slot holds fewer than k values that are not NaN;
-- `channels`, float64 `(modules, len(CHANNEL_PLANES), max_channels)` with channel statistics,
-  else empty: not per batch but running sums over every call since they were last cleared, per
-  channel (the coordinate along the channel dimension, counted from the operator's
-  `channel_offset`): how many values, their sum, their sum of squares, their largest magnitude
+- `channels`, float64 `(len(CHANNEL_PLANES), room)` with channel statistics, else empty: not
+  per batch or module but running sums over every call since they were last cleared, per
+  channel (the coordinate along the channel dimension plus the operator's `channel_offset`, so
+  each module's channels are a region of the one buffer): how many values, their sum, their sum of squares, their largest magnitude
   (NaN once a NaN was seen) and how many have a magnitude above `near_zero`;
 - `order`, int64 `(len(ORDER_PLANES), modules, batches)`: the call order. Every hooked call of
   every run on a device advances that device's call clock (one int64, shared); a slot holds 1 +

@@ -336,7 +336,7 @@ def accumulate_stats_python(*args: object, **options: float) -> None:
     if call is not None and top.numel() > 0:
         _merge_top(x, top, cursor, slot, args.channel_dim, args.channel_offset)
     if call is not None and channels.numel() > 0:
-        _add_channel_sums(x, channels[slot], args.channel_dim, args.channel_offset, args.near_zero)
+        _add_channel_sums(x, channels, args.channel_dim, args.channel_offset, args.near_zero)
     if call is not None and order.numel() > 0:
         note_call_order(order, clock, cursor, slot, call)
 
@@ -423,8 +423,8 @@ def add_channel_sums(held: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
 def _add_channel_sums(
     x: torch.Tensor, row: torch.Tensor, channel_dim: int, channel_offset: int, near_zero: float
 ) -> None:
-    """x's per-channel sums (`channel_sums`, channels from `channel_offset`) added to `row`, one
-    module's `(len(CHANNEL_PLANES), max_channels)` running sums."""
+    """x's per-channel sums (`channel_sums`, channels from `channel_offset`) added to `row`, the
+    run's `(len(CHANNEL_PLANES), room)` running sums."""
     _check_channel_dim(x, channel_dim)
     size = x.shape[channel_dim] if x.dim() > 0 else 1
     if channel_offset < 0 or channel_offset + size > row.shape[1]:

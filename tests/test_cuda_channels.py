@@ -34,7 +34,8 @@ def _default_options():
 
 def _run(accumulate, calls, *, channels=True, bins=0, top_k=0, column=1, fresh=False, **options):
     """The buffers after calls[i] = (x, channel_dim, channel_offset) went to slot 1; `fresh`: the
-    channels buffer zeros, not running sums from before."""
+    channels buffer zeros, not running sums from before (those outside the calls' channels must
+    stay as they were)."""
     b = StatBuffers(2, 3, "cpu", full=True, hist_bins=bins, binades=bins > 0, top_k=top_k)
     b.resize_channels(MAX_CHANNELS)
     if not fresh:
@@ -57,7 +58,7 @@ def _assert_channels_match_python(calls, **options):
     want = _run(accumulate_stats_python, calls)
     g, w = got.channels, want.channels
     for plane in (CHANNEL_COUNT, CHANNEL_ABSMAX, CHANNEL_ACTIVE):
-        a, b = g[:, plane], w[:, plane]
+        a, b = g[plane], w[plane]
         differ = (a != b).logical_and(~(a.isnan() & b.isnan())).nonzero().tolist()
         assert torch.equal(a.isnan(), b.isnan()) and not differ, (plane, differ[:5])
     # Sums within float rounding of at most 64 values a lane: relative to the sum of magnitudes.
@@ -68,12 +69,11 @@ def _assert_channels_match_python(calls, **options):
         part = scale[:, channel_offset : channel_offset + size]
         part += magnitudes[[CHANNEL_SUM, CHANNEL_SUM_SQ]].nan_to_num(posinf=0.0)
     for k, plane in enumerate((CHANNEL_SUM, CHANNEL_SUM_SQ)):
-        a, b = g[1, plane], w[1, plane]
+        a, b = g[plane], w[plane]
         assert torch.equal(a.isnan(), b.isnan()), plane
         assert torch.equal(a.isinf(), b.isinf()) and torch.equal(a[a.isinf()], b[b.isinf()])
         finite = a.isfinite()
         assert ((a - b)[finite].abs() <= 1e-5 * scale[k][finite] + 1e-12).all(), plane
-    assert torch.equal(g[0], w[0]), "another module's row changed"
     return got, want
 
 
@@ -133,8 +133,8 @@ def test_mean_and_rms_from_1e_30_to_1e30(dtype):
         ("NCHW", [(nchw, 1, 100)]),
         ("channels_last", [(nchw.contiguous(memory_format=torch.channels_last), 1, 200)]),
     ):
-        got = _run(cuda_on_cpu.accumulate, calls, fresh=True).channels[1]
-        want = _run(accumulate_stats_python, calls, fresh=True).channels[1]
+        got = _run(cuda_on_cpu.accumulate, calls, fresh=True).channels
+        want = _run(accumulate_stats_python, calls, fresh=True).channels
         for plane in (CHANNEL_COUNT, CHANNEL_ABSMAX, CHANNEL_ACTIVE):
             assert torch.equal(got[plane], want[plane]), (name, plane)
         a = channel_statistics(got, ("mean", "rms"))
@@ -176,8 +176,8 @@ def test_nan_infinities_and_calls_accumulate_over_many_blocks(dtype):
         (tokens[:5, 1:], 1, 3),  # a misaligned head
     ]
     got, _ = _assert_channels_match_python(calls)
-    assert got.channels[1, CHANNEL_ABSMAX].isnan().any()
-    assert not got.channels[1, CHANNEL_ABSMAX].isnan().all()
+    assert got.channels[CHANNEL_ABSMAX].isnan().any()
+    assert not got.channels[CHANNEL_ABSMAX].isnan().all()
     cuda_on_cpu.configure(workers=3, split_lanes=True, seed=5)
     _assert_channels_match_python(calls, resident=5)
 
@@ -185,7 +185,7 @@ def test_nan_infinities_and_calls_accumulate_over_many_blocks(dtype):
 def test_only_nan_and_only_infinity_channels():
     x = torch.tensor([[float("nan"), float("inf"), 1.0], [float("nan"), -float("inf"), -2.0]])
     got, _ = _assert_channels_match_python([(x, 1, 0), (x.t().contiguous(), 0, 4)])
-    absmax = got.channels[1, CHANNEL_ABSMAX]
+    absmax = got.channels[CHANNEL_ABSMAX]
     assert absmax[0].isnan() and absmax[1] == float("inf") and absmax[4].isnan()
 
 

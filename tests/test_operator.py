@@ -342,23 +342,23 @@ def test_argument_errors_name_the_argument():
             "channel_offset must be at least 0, got -1",
         ),
         (
-            {"channels": torch.zeros(2, 5, 9, dtype=torch.float64), "channel_dim": 1},
+            {"channels": torch.zeros(5, 9, dtype=torch.float64), "channel_dim": 1},
             r"channel_dim must be in \[-1, 1\) for x of shape \[10\], got 1",
         ),
         (
-            {"channels": torch.zeros(2, 4, 10, dtype=torch.float64)},
-            r"channels must be a contiguous Double tensor of shape \[2, 5, 10\]",
+            {"channels": torch.zeros(4, 10, dtype=torch.float64)},
+            r"channels must be a contiguous Double tensor of shape \[5, 10\]",
         ),
         (
-            {"channels": torch.zeros(2, 10, dtype=torch.float64)},
-            r"channels must have shape \(modules, 5, max_channels\)",
+            {"channels": torch.zeros(2, 5, 10, dtype=torch.float64)},
+            r"channels must have shape \(5, channels\)",
         ),
         (
-            {"channels": torch.zeros(2, 5, 11, dtype=torch.float64), "channel_offset": 2},
+            {"channels": torch.zeros(5, 11, dtype=torch.float64), "channel_offset": 2},
             r"channels has room for 11 channels, x of shape \[10\] has 10 along channel_dim -1 "
             "from channel_offset 2",
         ),
-        ({"channels": torch.zeros(2, 5, 10)}, r"channels must be a contiguous Double tensor"),
+        ({"channels": torch.zeros(5, 10)}, r"channels must be a contiguous Double tensor"),
         ({"slot": 2}, r"slot must be in \[0, 2\), got 2"),
         ({"cursor": torch.tensor(4)}, r"cursor must be in \[0, 4\), got 4"),
     ]

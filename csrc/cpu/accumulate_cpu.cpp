@@ -273,8 +273,8 @@ struct Destination {
   int32_t* binades;  // the slot's row, null without binades
   TopPair* top;      // the slot's top_k pairs, null without them
   int top_k;
-  double* channels;  // the module's running per-channel sums, null without them
-  int64_t max_channels;
+  double* channels;  // the run's running per-channel sums, null without them
+  int64_t channel_room;
 };
 
 Destination destination(const Tensor& state, const Tensor& stats, const Tensor& extra,
@@ -299,14 +299,13 @@ Destination destination(const Tensor& state, const Tensor& stats, const Tensor& 
           ? reinterpret_cast<TopPair*>(static_cast<double*>(top->mutable_data_ptr())) + cell * top_k
           : nullptr;
   const bool summed = channels != nullptr && channels->numel() > 0;
-  const int64_t max_channels = summed ? channels->size(2) : 0;
-  double* channel_row = summed ? static_cast<double*>(channels->mutable_data_ptr()) +
-                                     slot * kChannelPlanes * max_channels
-                               : nullptr;
-  return {at,          hist.numel() > 0 ? cell * hist.size(2) : 0,
-          binade_row,  top_row,
-          top_k,       channel_row,
-          max_channels};
+  return {at,
+          hist.numel() > 0 ? cell * hist.size(2) : 0,
+          binade_row,
+          top_row,
+          top_k,
+          summed ? static_cast<double*>(channels->mutable_data_ptr()) : nullptr,
+          summed ? channels->size(1) : 0};
 }
 
 // Returns the call's own statistics.
@@ -342,7 +341,7 @@ Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const 
                                     channel_kernel, params, counts, binades, top, summed, near_zero,
                                     map, to.slot);
   if (summed != nullptr) {
-    channels.add_to_row(to.channels, to.max_channels, map.offset,
+    channels.add_to_planes(to.channels, to.channel_room, map.offset,
                         static_cast<double>(dense.numel() / map.size));
   }
   int64_t* row =

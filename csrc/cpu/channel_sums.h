@@ -43,11 +43,11 @@ class ChannelSums {
     }
   }
 
-  // Adds these sums, and each channel's `per_channel` values to its count, to a row of
-  // `max_channels` doubles per plane from channel `offset`.
-  void add_to_row(double* row, int64_t max_channels, int64_t offset, double per_channel) const {
+  // Adds these sums, and each channel's `per_channel` values to its count, to the planes of
+  // `room` doubles each at `planes`, from channel `offset`.
+  void add_to_planes(double* planes, int64_t room, int64_t offset, double per_channel) const {
     for (int p = 0; p < kChannelPlanes; ++p) {
-      double* to = row + p * max_channels + offset;
+      double* to = planes + p * room + offset;
       const double* from = plane(p);
       for (int64_t c = 0; c < channels_; ++c) {
         if (p == kChannelCount) {

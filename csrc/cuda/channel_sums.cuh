@@ -96,7 +96,7 @@ struct ChannelTotals {
   // Added to channel c (offset included) of the row.
   __device__ void send(const ChannelBuffers& cb, int64_t c) const {
     double* at = cb.row + c;
-    const int64_t plane = cb.max_channels;
+    const int64_t plane = cb.room;
     atomicAdd(at + kChannelSum * plane, sum);
     atomicAdd(at + kChannelSumSq * plane, sum_sq);
     atomicAdd(at + kChannelActive * plane, active);
@@ -223,7 +223,7 @@ __device__ FASTHOOKS_NOINLINE void add_channel_sums(const T* __restrict__ x, int
     channel_runs<T, Acc>(x, n, cb, limit, block, blocks);
   }
   if (block == 0) {
-    double* counts = cb.row + kChannelCount * cb.max_channels + cb.channels.offset;
+    double* counts = cb.row + kChannelCount * cb.room + cb.channels.offset;
     for (int64_t c = threadIdx.x; c < cb.channels.size; c += blockDim.x) {
       atomicAdd(counts + c, cb.per_channel);
     }

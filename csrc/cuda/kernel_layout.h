@@ -124,11 +124,11 @@ struct TopBuffers {
 };
 
 // The channel statistics' (channels.h), an argument of the one-tensor kernels of their own too:
-// the module's row of kChannelPlanes planes of max_channels doubles, null without them; the
-// channel of each position; the values each channel has in the call.
+// the run's kChannelPlanes planes of `room` doubles, null without them; the channel of each
+// position (channel_offset included); the values each channel has in the call.
 struct ChannelBuffers {
   double* row;
-  int64_t max_channels;
+  int64_t room;
   ChannelMap channels;
   double per_channel;
 };

@@ -149,13 +149,11 @@ struct OperatorHost {
       top_buffers.k = top_k;
       top_buffers.channels = channel_map(dense, channel_dim, channel_offset);
     }
-    // Not per column: the module's running sums, whatever the cursor.
+    // Not per column or slot: the run's running sums, whatever the cursor.
     ChannelBuffers channel_buffers{};
     if (channels.numel() > 0) {
-      const int64_t max_channels = channels.size(2);
-      channel_buffers.row =
-          static_cast<double*>(channels.mutable_data_ptr()) + slot * kChannelPlanes * max_channels;
-      channel_buffers.max_channels = max_channels;
+      channel_buffers.row = static_cast<double*>(channels.mutable_data_ptr());
+      channel_buffers.room = channels.size(1);
       channel_buffers.channels = channel_map(dense, channel_dim, channel_offset);
       channel_buffers.per_channel =
           static_cast<double>(dense.numel() / channel_buffers.channels.size);
