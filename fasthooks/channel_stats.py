@@ -81,97 +81,118 @@ def dead_channels(active: torch.Tensor) -> torch.Tensor:
 
 class Snapshot(NamedTuple):
     """The per-channel sums of the recorded batches `first` to `last` (indices of training
-    batches), `batches` of them: float64 `(CHANNEL_PLANES, kept)` on the run's device, the
-    channels of `index` (positions in a `(modules, width)` grid) in order."""
+    batches), `batches` of them: float64 `(CHANNEL_PLANES, channels)` on the run's device, slot
+    i's channels at `offsets[i]`, `counts[i]` of them (0: it never ran)."""
 
     sums: torch.Tensor
-    index: torch.Tensor
-    width: int
+    offsets: tuple[int, ...]
+    counts: tuple[int, ...]
     first: int
     last: int
     batches: int
 
 
 class ChannelSnapshots:
-    """The snapshots of one run, the newest `keep` of them (None: all), and the position in the
-    current period.
+    """The snapshots of one run, the newest `keep` of them (None: all), the position in the
+    current period, and where each of `slots` modules' channels lie in the running sums.
 
     Examples:
         >>> from fasthooks.buffers import StatBuffers
         >>> from fasthooks.moments import accumulate_stats_python
         >>> b = StatBuffers(1, 1, "cpu", full=False, hist_bins=0)
-        >>> b.resize_channels(2)
-        >>> snapshots = ChannelSnapshots(every=2, keep=None)
+        >>> snapshots = ChannelSnapshots(every=2, keep=None, slots=1)
         >>> def record(values):
-        ...     accumulate_stats_python(torch.tensor([values]), *b.op_args(), 0, 0.05, 0.0, 1.0)
+        ...     x = torch.tensor([values])
+        ...     offset, _ = snapshots.offset(b, 0, x.shape[-1])
+        ...     accumulate_stats_python(x, *b.op_args(), 0, 0.05, 0.0, 1.0, -1, offset)
         >>> for batch in range(4):
         ...     record([1.0, -2.0])
-        ...     snapshots.batch_recorded(b, batch, [2])
+        ...     snapshots.batch_recorded(b, batch)
         ...     record([5.0, 5.0])
         ...     snapshots.batch_dropped(b)
-        >>> snapshots.read(1, 2)[0, :, 1].tolist(), snapshots.bounds()
-        ([[2.0, 2.0], [-4.0, -4.0], [8.0, 8.0], [2.0, 2.0], [2.0, 2.0]], [(0, 1), (2, 3)])
+        >>> snapshots.read(1, 2)[0, :, :, 1].tolist(), snapshots.bounds()
+        ([[2.0, 2.0], [2.0, -4.0], [2.0, 8.0], [1.0, 2.0], [2.0, 2.0]], [(0, 1), (2, 3)])
     """
 
-    def __init__(self, every: int, keep: int | None) -> None:
+    def __init__(self, every: int, keep: int | None, slots: int) -> None:
         self.every, self.keep = every, keep
         self.held: deque[Snapshot] = deque(maxlen=keep)
         self.taken = 0  # snapshots taken, with those the window let go
         self.first: int | None = None  # the first batch of the open period
         self.last = -1  # the last batch of the open period
         self.batches = 0  # recorded batches in the open period
-        self.period: torch.Tensor | None = None  # its sums, (modules, CHANNEL_PLANES, width)
-        self._index: torch.Tensor | None = None
-        self._index_of: tuple[tuple[int, ...], int] | None = None
+        self.period: torch.Tensor | None = None  # its sums, (CHANNEL_PLANES, room)
+        self.offsets, self.counts = [0] * slots, [0] * slots
+        self.used = 0  # channels given to slots, holes left by a grown slot among them
 
-    def batch_recorded(self, buffers: Any, batch: int, counts: list[int]) -> None:
+    def offset(self, buffers: Any, slot: int, count: int) -> tuple[int, bool]:
+        """Where `slot`'s channels start in the running sums, given room for `count` of them,
+        and whether `buffers.channels` was replaced to make room (refresh the operator's
+        arguments then). A slot with more channels than before moves to the end, its sums with
+        it."""
+        if count <= self.counts[slot]:
+            return self.offsets[slot], False
+        start, self.used = self.used, self.used + count
+        grew = self.used > buffers.channel_room
+        if grew:
+            # Doubling: the first batch meets the modules one at a time.
+            buffers.resize_channels(max(self.used, 2 * buffers.channel_room))
+        old, held = self.offsets[slot], self.counts[slot]
+        if held:
+            planes = [buffers.channels]
+            if self.period is not None:
+                planes.append(self._period_like(buffers.channels))
+            for p in planes:
+                p[:, start : start + held].copy_(p[:, old : old + held])
+                p[:, old : old + held].zero_()
+        self.offsets[slot], self.counts[slot] = start, count
+        return start, grew
+
+    def batch_recorded(self, buffers: Any, batch: int) -> None:
         """Add the closed training batch `batch`'s sums to its period's; at the end of a period,
         take a snapshot."""
         sums = buffers.channels
         if sums.numel() > 0:
             period = self._period_like(sums)
             period.copy_(add_channel_sums(period, sums))
-        buffers.clear_channels()
+            buffers.clear_channels()
         self.first = batch if self.first is None else self.first
         self.last = batch
         self.batches += 1
         if self.batches == self.every:
-            self.take(counts)
+            self.take()
 
     def batch_dropped(self, buffers: Any) -> None:
         """Forget the sums of a batch that is not recorded (closed with `train=False`)."""
         buffers.clear_channels()
 
     def _period_like(self, sums: torch.Tensor) -> torch.Tensor:
-        """The period's sums, grown to the width of `sums` (a module with more channels)."""
+        """The period's sums, grown to the room of `sums` (room is only ever added)."""
         if self.period is None or self.period.shape != sums.shape:
             grown = torch.zeros_like(sums)
             if self.period is not None:
-                width = min(self.period.shape[2], sums.shape[2])
-                grown[: self.period.shape[0], :, :width] = self.period[: sums.shape[0], :, :width]
+                grown[:, : self.period.shape[1]] = self.period
             self.period = grown
         return self.period
 
-    def take(self, counts: list[int]) -> None:
-        """Keep the sums of the open period (the channels of each module's `counts`), if it
-        recorded a batch, and start a new one."""
-        if self.batches == 0 or self.period is None:
+    def take(self) -> None:
+        """Keep the sums of the open period, if it recorded a batch, and start a new one."""
+        if self.batches == 0:
             return
-        sums = self.period
-        index = self._grid_index(counts, sums.shape[2], sums.device)
-        kept = sums.permute(1, 0, 2).reshape(len(CHANNEL_PLANES), -1).index_select(1, index)
-        self.held.append(Snapshot(kept, index, sums.shape[2], self.first, self.last, self.batches))
+        sums = self.period if self.period is not None else torch.zeros(len(CHANNEL_PLANES), 0)
+        self.held.append(
+            Snapshot(
+                sums[:, : self.used].clone(),
+                tuple(self.offsets),
+                tuple(self.counts),
+                self.first,
+                self.last,
+                self.batches,
+            )
+        )
         self.taken += 1
         sums.zero_()
         self.first, self.batches = None, 0
-
-    def _grid_index(self, counts: list[int], width: int, device: torch.device) -> torch.Tensor:
-        key = (tuple(counts), width)
-        if self._index_of != key:
-            index = [m * width + c for m, n in enumerate(counts) for c in range(n)]
-            self._index = torch.tensor(index, dtype=torch.int64, device=device)
-            self._index_of = key
-        return self._index
 
     def bounds(self) -> list[tuple[int, int]]:
         """(first, last) training batch of each snapshot held, oldest first (`take` may close a
@@ -181,10 +202,11 @@ class ChannelSnapshots:
     def read(self, modules: int, width: int) -> torch.Tensor:
         """float64 CPU `(modules, CHANNEL_PLANES, width, snapshots)` sums of the snapshots held,
         0 for channels a module does not have (their count reads 0)."""
-        out = torch.zeros(len(self.held), len(CHANNEL_PLANES), modules * width, dtype=torch.float64)
+        out = torch.zeros(modules, len(CHANNEL_PLANES), width, len(self.held), dtype=torch.float64)
         for k, snapshot in enumerate(self.held):
-            index = snapshot.index.cpu()
-            rows, channels = index // snapshot.width, index % snapshot.width
-            keep = (rows < modules) & (channels < width)
-            out[k][:, (rows * width + channels)[keep]] = snapshot.sums.cpu()[:, keep]
-        return out.reshape(len(self.held), len(CHANNEL_PLANES), modules, width).permute(2, 1, 3, 0)
+            sums = snapshot.sums.cpu()
+            for slot, (start, count) in enumerate(zip(snapshot.offsets, snapshot.counts)):
+                n = min(count, width)
+                if slot < modules and n:
+                    out[slot, :, :n, k] = sums[:, start : start + n]
+        return out
