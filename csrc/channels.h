@@ -9,7 +9,8 @@
 
 namespace fasthooks {
 
-// The planes of the buffer, each as many doubles as the run keeps channels (fasthooks/layout.py, CHANNEL_PLANES).
+// The planes of the buffer, each as many doubles as the run keeps channels
+// (fasthooks/layout.py, CHANNEL_PLANES).
 enum ChannelPlane { kChannelCount, kChannelSum, kChannelSumSq, kChannelAbsmax, kChannelActive };
 constexpr int kChannelPlanes = kChannelActive + 1;
 // The largest magnitudes merge with stats.h's nan_max: NaN once either is NaN.

@@ -205,7 +205,8 @@ class ChannelSnapshots:
         out = torch.zeros(modules, len(CHANNEL_PLANES), width, len(self.held), dtype=torch.float64)
         for k, snapshot in enumerate(self.held):
             sums = snapshot.sums.cpu()
-            for slot, (start, count) in enumerate(zip(snapshot.offsets, snapshot.counts)):
+            regions = zip(snapshot.offsets, snapshot.counts, strict=True)
+            for slot, (start, count) in enumerate(regions):
                 n = min(count, width)
                 if slot < modules and n:
                     out[slot, :, :n, k] = sums[:, start : start + n]

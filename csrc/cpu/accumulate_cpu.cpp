@@ -342,7 +342,7 @@ Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const 
                                     map, to.slot);
   if (summed != nullptr) {
     channels.add_to_planes(to.channels, to.channel_room, map.offset,
-                        static_cast<double>(dense.numel() / map.size));
+                           static_cast<double>(dense.numel() / map.size));
   }
   int64_t* row =
       bins > 0 ? static_cast<int64_t*>(hist.mutable_data_ptr()) + to.hist_offset : nullptr;
