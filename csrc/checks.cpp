@@ -262,8 +262,10 @@ void check_top(const Tensor& top, const Tensor& x, const Tensor& state, int64_t 
 }
 
 void check_channels(const Tensor& channels, const Tensor& x, const Tensor& state,
-                    int64_t channel_dim, int64_t channel_offset) {
+                    int64_t channel_dim, int64_t channel_offset, int64_t channel_region) {
   if (channels.numel() == 0) return;
+  FASTHOOKS_CHECK(channel_region >= 0, "accumulate_stats: channel_region must be at least 0, got ",
+                  channel_region);
   FASTHOOKS_CHECK(channels.dim() == 2, "accumulate_stats: channels must have shape (",
                   kChannelPlanes, ", channels), got ", shape_of(channels));
   check_buffer(channels, "channels", ScalarType::Double, {kChannelPlanes, channels.size(1)});
@@ -271,10 +273,11 @@ void check_channels(const Tensor& channels, const Tensor& x, const Tensor& state
                   "accumulate_stats: channels must be on the state's device ", device_of(state),
                   ", got ", device_of(channels));
   const int64_t size = check_channel_args(x, channel_dim, channel_offset);
-  FASTHOOKS_CHECK(channel_offset + size <= channels.size(1),
+  FASTHOOKS_CHECK(channel_region + channel_offset + size <= channels.size(1),
                   "accumulate_stats: channels has room for ", channels.size(1),
                   " channels, x of shape ", shape_of(x), " has ", size, " along channel_dim ",
-                  channel_dim, " from channel_offset ", channel_offset);
+                  channel_dim, " from channel_region ", channel_region, " + channel_offset ",
+                  channel_offset);
 }
 
 ChannelMap channel_map(const Tensor& dense, int64_t channel_dim, int64_t channel_offset) {

@@ -109,9 +109,10 @@ void check_top(const Tensor& top, const Tensor& x, const Tensor& state, int64_t 
 
 // The running per-channel sums (channels.h): empty keeps none; else float64
 // (kChannelPlanes, room) on the state's device, with room for x's channels
-// along channel_dim from channel_offset (channel_dim and channel_offset as for check_top).
+// along channel_dim from channel_region + channel_offset (channel_dim and channel_offset as for
+// check_top; channel_region, where the module's channels start, at least 0).
 void check_channels(const Tensor& channels, const Tensor& x, const Tensor& state,
-                    int64_t channel_dim, int64_t channel_offset);
+                    int64_t channel_dim, int64_t channel_offset, int64_t channel_region);
 
 // Where the channels of a dense tensor (dense_values) lie in its memory order, along
 // channel_dim from channel_offset (checked by check_top or check_channels); one channel for a

@@ -8,8 +8,8 @@ inline constexpr const char* kAccumulateStatsSchema =
     "accumulate_stats(Tensor x, Tensor(a!) state, Tensor(b!) stats, Tensor(c!) extra, "
     "Tensor(d!) hist, Tensor(e!) binades, Tensor(f!) top, Tensor(g!) channels, "
     "Tensor(h!) workspace, Tensor(i!) order, Tensor(j!) clock, Tensor cursor, int slot, "
-    "float near_zero, float hist_min, float hist_max, int channel_dim=-1, int channel_offset=0) "
-    "-> ()";
+    "float near_zero, float hist_min, float hist_max, int channel_dim=-1, int channel_offset=0, "
+    "int channel_region=0) -> ()";
 
 // xs[i] into slot i; with bases, the statistics of xs[i] - bases[i] (parameters' updates).
 inline constexpr const char* kAccumulateStatsListSchema =

@@ -194,6 +194,46 @@ class ChannelSnapshots:
         sums.zero_()
         self.first, self.batches = None, 0
 
+    def state(self) -> dict[str, Any]:
+        """The snapshots held and the open period, as CPU tensors and plain values (a checkpoint
+        is taken between batches: the open batch's sums are not in it)."""
+        period = self.period if self.period is not None else torch.zeros(len(CHANNEL_PLANES), 0)
+        return {
+            "held": [
+                {
+                    **s._asdict(),
+                    "sums": s.sums.cpu(),
+                    "offsets": list(s.offsets),
+                    "counts": list(s.counts),
+                }
+                for s in self.held
+            ],
+            "taken": self.taken,
+            "period": period[:, : self.used].cpu(),
+            "first": -1 if self.first is None else self.first,
+            "last": self.last,
+            "batches": self.batches,
+            "offsets": list(self.offsets),
+            "counts": list(self.counts),
+        }
+
+    def restore(self, saved: dict[str, Any], buffers: Any) -> None:
+        """Continue after `state()`'s snapshots and open period, on `buffers`' device."""
+        device = buffers.channels.device
+        for s in saved["held"]:
+            sums = s["sums"].to(device)
+            offsets, counts = tuple(s["offsets"]), tuple(s["counts"])
+            self.held.append(Snapshot(sums, offsets, counts, s["first"], s["last"], s["batches"]))
+        self.taken = saved["taken"]
+        self.first = None if saved["first"] < 0 else saved["first"]
+        self.last, self.batches = saved["last"], saved["batches"]
+        self.offsets, self.counts = list(saved["offsets"]), list(saved["counts"])
+        period = saved["period"]
+        self.used = period.shape[1]
+        if self.used:
+            buffers.resize_channels(self.used)
+            self.period = period.to(device=device, dtype=torch.float64)
+
     def bounds(self) -> list[tuple[int, int]]:
         """(first, last) training batch of each snapshot held, oldest first (`take` may close a
         period early, at the end of training)."""

@@ -65,7 +65,7 @@ def _upgrade(saved: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
 
 
 # Settings added after states were first saved, and the value an older state had.
-ADDED_SETTINGS = {"top_k": 0, "channel_dim": None}
+ADDED_SETTINGS = {"top_k": 0, "channel_dim": None, "channel_stats": [], "channel_every": 100}
 
 
 def checked(

@@ -17,8 +17,8 @@ activations' device:
   `moments.top_of`; NaN pairs where a slot holds fewer than k values that are not NaN;
 - `channels`, float64 `(len(CHANNEL_PLANES), room)` with channel statistics, else empty: not
   per batch or module but running sums over every call since they were last cleared, per
-  channel (the coordinate along the channel dimension plus the operator's `channel_offset`, so
-  each module's channels are a region of the one buffer): how many values, their sum, their
+  channel (the coordinate along the channel dimension plus the operator's `channel_region`,
+  where the module's region of the one buffer starts, and `channel_offset`): how many values, their sum, their
   sum of squares, their largest magnitude (NaN once a NaN was seen) and how many have a
   magnitude above `near_zero`;
 - `order`, int64 `(len(ORDER_PLANES), modules, batches)`: the call order. Every hooked call of
@@ -137,6 +137,7 @@ class AccumulateArgs(NamedTuple):
     hist_max: float = 10.0
     channel_dim: int = -1
     channel_offset: int = 0
+    channel_region: int = 0
 
 
 # The operator's tensor arguments; its scalars follow.

@@ -336,7 +336,8 @@ def accumulate_stats_python(*args: object, **options: float) -> None:
     if call is not None and top.numel() > 0:
         _merge_top(x, top, cursor, slot, args.channel_dim, args.channel_offset)
     if call is not None and channels.numel() > 0:
-        _add_channel_sums(x, channels, args.channel_dim, args.channel_offset, args.near_zero)
+        start = args.channel_region + args.channel_offset
+        _add_channel_sums(x, channels, args.channel_dim, start, args.channel_region, args.near_zero)
     if call is not None and order.numel() > 0:
         note_call_order(order, clock, cursor, slot, call)
 
@@ -421,18 +422,21 @@ def add_channel_sums(held: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
 
 
 def _add_channel_sums(
-    x: torch.Tensor, row: torch.Tensor, channel_dim: int, channel_offset: int, near_zero: float
+    x: torch.Tensor, row: torch.Tensor, channel_dim: int, start: int, region: int, near_zero: float
 ) -> None:
-    """x's per-channel sums (`channel_sums`, channels from `channel_offset`) added to `row`, the
-    run's `(len(CHANNEL_PLANES), room)` running sums."""
+    """x's per-channel sums (`channel_sums`, channel 0 at `start`: the module's `region` plus
+    the channel offset) added to `row`, the run's `(len(CHANNEL_PLANES), room)` running sums."""
     _check_channel_dim(x, channel_dim)
+    if region < 0:
+        raise ValueError(f"accumulate_stats: channel_region must be at least 0, got {region}")
     size = x.shape[channel_dim] if x.dim() > 0 else 1
-    if channel_offset < 0 or channel_offset + size > row.shape[1]:
+    if start < 0 or start + size > row.shape[1]:
         raise ValueError(
             f"accumulate_stats: channels has room for {row.shape[1]} channels, x has {size} "
-            f"along channel_dim {channel_dim} from channel_offset {channel_offset}"
+            f"along channel_dim {channel_dim} from channel_region {region} + channel_offset "
+            f"{start - region}"
         )
-    held = row[:, channel_offset : channel_offset + size]
+    held = row[:, start : start + size]
     held.copy_(add_channel_sums(held, channel_sums(x, channel_dim, size, near_zero)))
 
 

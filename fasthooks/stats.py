@@ -13,6 +13,7 @@ from torch import nn
 from . import checkpoint
 from .arguments import (
     check_channel_dim,
+    check_channel_stats,
     check_extra,
     check_hist,
     check_near_zero,
@@ -24,6 +25,8 @@ from .arguments import (
     uncompiled_name,
 )
 from .buffers import StatBuffers
+from .channel_reading import ChannelReading
+from .channel_stats import ChannelSnapshots
 from .column_store import ColumnStore
 from .dtensors import LocalPieces, sink_origin
 from .hook import HookCallback
@@ -83,7 +86,15 @@ class StatisticsError(RuntimeError):
     """Recording a module's statistics failed; the message names the module."""
 
 
-class ActivationStats(HookCallback, Reading):
+def _channel_count(x: torch.Tensor, dim: int) -> int:
+    """How many channels x has along `dim` (1 for a 0-d x; 0 for a dim it does not have, which
+    the operator then refuses by name)."""
+    if x.dim() == 0:
+        return 1
+    return x.shape[dim] if -x.dim() <= dim < x.dim() else 0
+
+
+class ActivationStats(HookCallback, Reading, ChannelReading):
     """Records statistics of each hooked module's output for every training batch.
 
     `stats` is a float32 CPU tensor of shape `(2, modules, batches)`: axis 0 is (mean, std),
@@ -150,10 +161,19 @@ class ActivationStats(HookCallback, Reading):
         top_k: keep, per module and batch, the k values of largest magnitude (signed) and their
             channels, k up to 16 (default 0: none); read as `act.top_values` and
             `act.top_channels`, `(modules, batches, k)`.
-        channel_dim: the dimension `top_k` names channels along: None (default) takes dim 1 of
-            a 4-D or 5-D output (NCHW, NCDHW, whatever the memory format) and the last dim of
-            any other; an int for every module; or a dict of module names to dims (the rest by
-            default).
+        channel_dim: the dimension `top_k` and `channel_stats` name channels along: None
+            (default) takes dim 1 of a 4-D or 5-D output (NCHW, NCDHW, whatever the memory
+            format) and the last dim of any other; an int for every module; or a dict of module
+            names to dims (the rest by default).
+        channel_stats: per-channel statistics from "absmax", "mean", "rms" and "active" (the
+            fraction of values whose magnitude exceeds `near_zero`), summed over every
+            `channel_every` recorded batches into one snapshot: `act.channel_stats[name]` is
+            float32 `(modules, max_channels, snapshots)`, NaN past a module's channel count
+            (`act.channel_counts`); `act.channel_batches` gives each snapshot's batches, and
+            `act.dead_channels` and `act.channel_rms_kurtosis` what they show. The running sums
+            take 40 bytes per channel of all the modules together, whatever the number of
+            batches. With `window`, the snapshots covering its batches are kept.
+        channel_every: recorded batches per snapshot (default 100).
         on_nonfinite: what to do when a recorded call held a NaN or an infinity: None (default:
             nothing; `first_nonfinite()` still tells), "warn" (once), "raise"
             (`NonFiniteError` from `on_batch_end`) or a callable, called once with the
@@ -192,6 +212,8 @@ class ActivationStats(HookCallback, Reading):
         sink: Any = None,
         top_k: int = 0,
         channel_dim: int | dict[str, int] | None = None,
+        channel_stats: Iterable[str] = (),
+        channel_every: int = 100,
     ) -> None:
         super().__init__(model, modules, do_remove, is_forward)
         expected_batches = count_argument(expected_batches, "expected_batches", 1)
@@ -212,6 +234,9 @@ class ActivationStats(HookCallback, Reading):
         self.top_k = check_top_k(top_k)
         self.channel_dim = check_channel_dim(channel_dim)
         self._channel_dims: list[int | None] = []  # by slot: None takes default_channel_dim
+        self.channel_names = check_channel_stats(channel_stats)
+        self.channel_every = count_argument(channel_every, "channel_every", 1)
+        self._snapshots: ChannelSnapshots | None = None
         # The operator's arguments after the slot, the same on every call.
         self._options = (self.near_zero, self.hist_min, self.hist_max)
         self._slots: dict[nn.Module, int] = {}
@@ -275,6 +300,7 @@ class ActivationStats(HookCallback, Reading):
         super().on_train_begin(**kwargs)
         self._slots, self._store = slots, store
         self._channel_dims = channel_dims
+        self._snapshots = self._new_snapshots(len(modules), resume)
         self._args = store.buffers[self.kind].op_args()
         self._warned = set()
         self._pieces = LocalPieces("ActivationStats", parameters=False)
@@ -307,6 +333,17 @@ class ActivationStats(HookCallback, Reading):
                 f"{slot_names}"
             )
         return [self.channel_dim.get(name) for name in slot_names]
+
+    def _new_snapshots(self, rows: int, resume: dict[str, Any] | None) -> ChannelSnapshots | None:
+        """The run's per-channel snapshots (None without `channel_stats`): with `window`, as many
+        as cover its batches."""
+        if not self.channel_names:
+            return None
+        keep = None if self.window is None else -(-self.window // self.channel_every) + 1
+        snapshots = ChannelSnapshots(self.channel_every, keep, rows)
+        if resume is not None and "channel_snapshots" in resume:
+            snapshots.restore(resume["channel_snapshots"], self._buffers)
+        return snapshots
 
     def _new_store(
         self, rows: int, device: torch.device, resume: dict[str, Any] | None = None
@@ -343,6 +380,8 @@ class ActivationStats(HookCallback, Reading):
             "window": self.window,
             "top_k": self.top_k,
             "channel_dim": self.channel_dim,
+            "channel_stats": list(self.channel_names),
+            "channel_every": self.channel_every,
         }
 
     def _sink_description(self) -> dict[str, Any]:
@@ -384,7 +423,10 @@ class ActivationStats(HookCallback, Reading):
         store = self._store
         if store is None:
             store = self._new_store(len(self.resolve_modules()), torch.device("cpu"))
-        return checkpoint.state_dict("ActivationStats", self._settings(), self._seen, store)
+        state = checkpoint.state_dict("ActivationStats", self._settings(), self._seen, store)
+        if self._snapshots is not None:
+            state["channel_snapshots"] = self._snapshots.state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the columns of a saved run at the next `on_train_begin` (the next `with act:`);
@@ -449,10 +491,16 @@ class ActivationStats(HookCallback, Reading):
             self._adopt_device(x.device)
         if type(x) is not torch.Tensor or self._pieces.pending:  # a DTensor: its local piece
             x = self._pieces.local(x, slot, lambda: self._name(m))
-        if self.top_k:
+        if self.top_k or self._snapshots is not None:
             dim = self._channel_dims[slot]
             dim = default_channel_dim(x.dim()) if dim is None else dim
-            self._accumulate(x.detach(), *self._args, slot, *self._options, dim)
+            region = 0
+            if self._snapshots is not None:
+                count = _channel_count(x, dim)
+                region, grew = self._snapshots.offset(self._buffers, slot, count)
+                if grew:
+                    self._args = self._buffers.op_args()
+            self._accumulate(x.detach(), *self._args, slot, *self._options, dim, 0, region)
         else:
             self._accumulate(x.detach(), *self._args, slot, *self._options)
 
@@ -518,6 +566,8 @@ class ActivationStats(HookCallback, Reading):
         """Remove the hooks when `do_remove`; warn when statistics were never closed in a batch;
         report a non-finite batch not yet reported (`on_nonfinite`)."""
         super().on_train_end(**kwargs)
+        if self._snapshots is not None:
+            self._snapshots.take()
         self.flush()
         if self._store is not None:
             self._store.stop_sink()
@@ -550,7 +600,11 @@ class ActivationStats(HookCallback, Reading):
             )
         if not train:
             self._buffers.clear_column()
+            if self._snapshots is not None:
+                self._snapshots.batch_dropped(self._buffers)
             return
+        if self._sampled and self._snapshots is not None:
+            self._snapshots.batch_recorded(self._buffers, self._seen)
         if self._sampled and self._store.close(self._seen):
             self._args = self._buffers.op_args()
         self._seen += 1

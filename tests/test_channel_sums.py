@@ -6,12 +6,14 @@ import pytest
 import torch
 from conftest import FUSED
 
+import fasthooks
 from fasthooks import ops
 from fasthooks.buffers import StatBuffers
 from fasthooks.layout import CHANNEL_ABSMAX, CHANNEL_ACTIVE, CHANNEL_COUNT, CHANNEL_SUM
 from fasthooks.moments import accumulate_stats_python
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+FUSED_OK = int(fasthooks.extension_available())
 
 
 def _layouts():
@@ -90,3 +92,18 @@ def test_without_channels_nothing_is_summed_and_a_short_buffer_is_refused():
         ops.accumulate_stats(torch.randn(4, 5), *b.op_args(), 0)
     with pytest.raises(ValueError, match="channels has room for 4 channels"):
         accumulate_stats_python(torch.randn(4, 5), *b.op_args(), 0)
+
+
+@pytest.mark.parametrize(
+    "accumulate", [accumulate_stats_python, ops.accumulate_stats][: 1 + FUSED_OK]
+)
+def test_the_region_places_the_sums_and_leaves_the_top_channels_alone(accumulate):
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    b = StatBuffers(1, 1, "cpu", full=False, hist_bins=0, top_k=2)
+    b.resize_channels(20)
+    accumulate(x, *b.op_args(), 0, 0.05, 0.0, 1.0, -1, 3, 10)
+    want = _sums(accumulate_stats_python, [x], -1)
+    _assert_same(b.channels[:, 13:19], want, [x])
+    assert bool((b.channels[:, :13] == 0).all() & (b.channels[:, 19:] == 0).all())
+    # Channel 0 of x is channel 3 of the whole tensor, wherever its sums are kept.
+    assert set(b.top[0, 0, :, 1].long().tolist()) <= set(range(3, 9))

@@ -214,3 +214,15 @@ def test_a_call_past_the_capacity_adds_nothing():
     got = _run(cuda_on_cpu.accumulate, [(x, 1, 0)], column=3)
     untouched = _run(lambda *args, **kw: None, [])
     assert torch.equal(got.channels, untouched.channels)
+
+
+def test_the_region_adds_to_the_channels_position_and_not_to_the_top_channels():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(50, 40, generator=g)
+    got = _run(cuda_on_cpu.accumulate, [(x, 1, 7)], top_k=4, channel_region=30)
+    want = _run(accumulate_stats_python, [(x, 1, 37)], top_k=4)
+    for plane in (CHANNEL_COUNT, CHANNEL_ABSMAX, CHANNEL_ACTIVE):
+        assert torch.equal(got.channels[plane], want.channels[plane]), plane
+    torch.testing.assert_close(got.channels, want.channels, rtol=1e-6, atol=1e-9)
+    shifted = _run(accumulate_stats_python, [(x, 1, 7)], top_k=4)
+    assert torch.equal(got.top[1, 1], shifted.top[1, 1])

@@ -356,7 +356,16 @@ def test_argument_errors_name_the_argument():
         (
             {"channels": torch.zeros(5, 11, dtype=torch.float64), "channel_offset": 2},
             r"channels has room for 11 channels, x of shape \[10\] has 10 along channel_dim -1 "
-            "from channel_offset 2",
+            r"from channel_region 0 \+ channel_offset 2",
+        ),
+        (
+            {"channels": torch.zeros(5, 11, dtype=torch.float64), "channel_region": 3},
+            r"channels has room for 11 channels, x of shape \[10\] has 10 along channel_dim -1 "
+            r"from channel_region 3 \+ channel_offset 0",
+        ),
+        (
+            {"channels": torch.zeros(5, 11, dtype=torch.float64), "channel_region": -1},
+            "channel_region must be at least 0, got -1",
         ),
         ({"channels": torch.zeros(5, 10)}, r"channels must be a contiguous Double tensor"),
         ({"slot": 2}, r"slot must be in \[0, 2\), got 2"),
@@ -496,9 +505,10 @@ def test_the_python_declaration_of_the_arguments_is_the_schemas():
         "hist_max": 10.0,
         "channel_dim": -1,
         "channel_offset": 0,
+        "channel_region": 0,
     }
     assert AccumulateArgs._field_defaults == defaults
-    assert [a.default_value for a in schema.arguments[-2:]] == [-1, 0]
+    assert [a.default_value for a in schema.arguments[-3:]] == [-1, 0, 0]
 
 
 @FUSED

@@ -275,11 +275,13 @@ struct Destination {
   int top_k;
   double* channels;  // the run's running per-channel sums, null without them
   int64_t channel_room;
+  int64_t channel_region;  // where the module's channels start in them
 };
 
 Destination destination(const Tensor& state, const Tensor& stats, const Tensor& extra,
                         const Tensor& hist, const Tensor* binades, const Tensor* top,
-                        const Tensor* channels, const Tensor& cursor, int64_t slot, bool full) {
+                        const Tensor* channels, int64_t channel_region, const Tensor& cursor,
+                        int64_t slot, bool full) {
   const int64_t column = *static_cast<const int64_t*>(cursor.const_data_ptr());
   const int64_t batches = state.size(2);
   FASTHOOKS_CHECK(column >= 0 && column < batches, "accumulate_stats: cursor must be in [0, ",
@@ -305,7 +307,8 @@ Destination destination(const Tensor& state, const Tensor& stats, const Tensor& 
           top_row,
           top_k,
           summed ? static_cast<double*>(channels->mutable_data_ptr()) : nullptr,
-          summed ? channels->size(1) : 0};
+          summed ? channels->size(1) : 0,
+          channel_region};
 }
 
 // Returns the call's own statistics.
@@ -341,7 +344,7 @@ Stats accumulate(const Tensor& dense, const Tensor* base, ChunkFn<T, Acc> const 
                                     channel_kernel, params, counts, binades, top, summed, near_zero,
                                     map, to.slot);
   if (summed != nullptr) {
-    channels.add_to_planes(to.channels, to.channel_room, map.offset,
+    channels.add_to_planes(to.channels, to.channel_room, to.channel_region + map.offset,
                            static_cast<double>(dense.numel() / map.size));
   }
   int64_t* row =
@@ -383,10 +386,10 @@ const auto& difference_kernels_of(const ChunkKernels& k, DtypeTag<T>) {
 Stats accumulate_one(const Tensor& dense, const Tensor* base, const Tensor& state,
                      const Tensor& stats, const Tensor& extra, const Tensor& hist,
                      const Tensor* binades, const Tensor* top, const Tensor* channels,
-                     const ChannelMap& map, const Tensor& cursor, int64_t slot, bool full,
-                     double near_zero, double hist_min, double hist_max) {
-  const Destination to =
-      destination(state, stats, extra, hist, binades, top, channels, cursor, slot, full);
+                     const ChannelMap& map, int64_t channel_region, const Tensor& cursor,
+                     int64_t slot, bool full, double near_zero, double hist_min, double hist_max) {
+  const Destination to = destination(state, stats, extra, hist, binades, top, channels,
+                                     channel_region, cursor, slot, full);
   if (dense.numel() == 0) return {};
   const ChunkKernels& k = cpu_kernels();
   return dispatch_dtype(dtype_of(dense), [&](auto tag) {
@@ -418,15 +421,15 @@ void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& st
                           const Tensor& top, const Tensor& channels, const Tensor& workspace,
                           const Tensor& order, const Tensor& clock, const Tensor& cursor,
                           int64_t slot, double near_zero, double hist_min, double hist_max,
-                          int64_t channel_dim, int64_t channel_offset) {
+                          int64_t channel_dim, int64_t channel_offset, int64_t channel_region) {
   const bool full = check_accumulate_args(x, state, stats, extra, hist, &binades, workspace, cursor,
                                           slot, hist_min, hist_max);
   check_top(top, x, state, channel_dim, channel_offset);
-  check_channels(channels, x, state, channel_dim, channel_offset);
+  check_channels(channels, x, state, channel_dim, channel_offset, channel_region);
   const bool ordered = check_call_order(order, clock, state);
   const Tensor dense = dense_values(x);
   const Stats call = accumulate_one(dense, nullptr, state, stats, extra, hist, &binades, &top,
-                                    &channels, channel_map(dense, channel_dim, channel_offset),
+                                    &channels, channel_map(dense, channel_dim, channel_offset), channel_region,
                                     cursor, slot, full, near_zero, hist_min, hist_max);
   if (ordered && call.count > 0) note_order(order, clock, cursor, slot, full, call);
 }
@@ -439,7 +442,7 @@ void accumulate_stats_list_cpu(std::vector<Tensor> xs, std::vector<Tensor> bases
       check_list(xs, bases, state, stats, extra, hist, workspace, cursor, hist_min, hist_max);
   for (size_t i = 0; i < list.xs.size(); ++i) {
     accumulate_one(list.xs[i], list.bases.empty() ? nullptr : &list.bases[i], state, stats, extra,
-                   hist, nullptr, nullptr, nullptr, ChannelMap{1, 1, 0}, cursor,
+                   hist, nullptr, nullptr, nullptr, ChannelMap{1, 1, 0}, 0, cursor,
                    static_cast<int64_t>(i), list.full, near_zero, hist_min, hist_max);
   }
 }

@@ -125,7 +125,7 @@ struct TopBuffers {
 
 // The channel statistics' (channels.h), an argument of the one-tensor kernels of their own too:
 // the run's kChannelPlanes planes of `room` doubles, null without them; the channel of each
-// position (channel_offset included); the values each channel has in the call.
+// position (channel_region and channel_offset included); the values each channel has in the call.
 struct ChannelBuffers {
   double* row;
   int64_t room;

@@ -122,11 +122,12 @@ struct OperatorHost {
                                const Tensor& top, const Tensor& channels, const Tensor& workspace,
                                const Tensor& order, const Tensor& clock, const Tensor& cursor,
                                int64_t slot, double near_zero, double hist_min, double hist_max,
-                               int64_t channel_dim, int64_t channel_offset) {
+                               int64_t channel_dim, int64_t channel_offset,
+                               int64_t channel_region) {
     const bool full = check_accumulate_args(x, state, stats, extra, hist, &binades, workspace,
                                             cursor, slot, hist_min, hist_max);
     check_top(top, x, state, channel_dim, channel_offset);
-    check_channels(channels, x, state, channel_dim, channel_offset);
+    check_channels(channels, x, state, channel_dim, channel_offset, channel_region);
     const int64_t top_k = top.numel() > 0 ? top.size(2) : 0;
     const bool ordered = check_call_order(order, clock, state);
     const int device = x.get_device_index();
@@ -154,7 +155,7 @@ struct OperatorHost {
     if (channels.numel() > 0) {
       channel_buffers.row = static_cast<double*>(channels.mutable_data_ptr());
       channel_buffers.room = channels.size(1);
-      channel_buffers.channels = channel_map(dense, channel_dim, channel_offset);
+      channel_buffers.channels = channel_map(dense, channel_dim, channel_region + channel_offset);
       channel_buffers.per_channel =
           static_cast<double>(dense.numel() / channel_buffers.channels.size);
     }
