@@ -18,9 +18,9 @@ activations' device:
 - `channels`, float64 `(len(CHANNEL_PLANES), room)` with channel statistics, else empty: not
   per batch or module but running sums over every call since they were last cleared, per
   channel (the coordinate along the channel dimension plus the operator's `channel_region`,
-  where the module's region of the one buffer starts, and `channel_offset`): how many values, their sum, their
-  sum of squares, their largest magnitude (NaN once a NaN was seen) and how many have a
-  magnitude above `near_zero`;
+  where the module's region of the one buffer starts, and `channel_offset`): how many values,
+  their sum, their sum of squares, their largest magnitude (NaN once a NaN was seen) and how
+  many have a magnitude above `near_zero`;
 - `order`, int64 `(len(ORDER_PLANES), modules, batches)`: the call order. Every hooked call of
   every run on a device advances that device's call clock (one int64, shared); a slot holds 1 +
   the clock of the module's first call in that batch whose values held a NaN or an infinity (0:
