@@ -209,7 +209,7 @@ class ChannelSnapshots:
                 for s in self.held
             ],
             "taken": self.taken,
-            "period": period[:, : self.used].cpu(),
+            "period": period[:, : self.used].to("cpu", copy=True),  # take() zeroes the live one
             "first": -1 if self.first is None else self.first,
             "last": self.last,
             "batches": self.batches,
