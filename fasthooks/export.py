@@ -41,13 +41,23 @@ _TABLE_AXES = {"ActivationStats": ("module", "batch"), "ParameterStats": ("param
 def long_table(reading: Reading) -> Any:
     """A pandas DataFrame with one row per (batch, module, statistic): columns `batch`,
     `module`, `stat`, `value` (`step` and `param` for a kind of ParameterStats); `batch` is the
-    training batch's 0-based index."""
+    training batch's 0-based index. With `channel_stats`, also one row per (snapshot, module)
+    of "dead_channels" (how many) and "channel_rms_kurtosis", at the snapshot's last batch."""
     pd = _pandas(reading.recorder)
     row, column = _TABLE_AXES[reading.recorder]
     planes = reading.planes()
-    return pd.DataFrame(
-        _long_columns(planes, reading.module_names, reading.batches.tolist(), row, column)
-    )
+    table = _long_columns(planes, reading.module_names, reading.batches.tolist(), row, column)
+    if reading.channel_names:
+        snapshots = {
+            "dead_channels": reading.dead_channels.sum(1),
+            "channel_rms_kurtosis": reading.channel_rms_kurtosis,
+        }
+        last = reading.channel_batches[:, 1].tolist()
+        for name, values in _long_columns(
+            snapshots, reading.module_names, last, row, column
+        ).items():
+            table[name] += values
+    return pd.DataFrame(table)
 
 
 def parameter_table(ps: ParameterStats) -> Any:

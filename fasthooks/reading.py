@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 class Reading:
     """What reading needs from a recording (`stats`, `extra`, `hist`, `batches`, `num_batches`,
     `module_names`, `module_types`, `call_order`, `nonfinite_ranks`, `kind`, `recorder`,
-    `is_forward`, `extra_names`, `hist_bins`, `hist_min`, `hist_max`, and with `top_k > 0`
-    `top`), and all it derives."""
+    `is_forward`, `extra_names`, `hist_bins`, `hist_min`, `hist_max`, with `top_k > 0` `top`,
+    and with `channel_names` the readers of `ChannelReading`), and all it derives."""
 
     top_k = 0
+    channel_names: tuple[str, ...] = ()
 
     @property
     def top_values(self) -> torch.Tensor:
@@ -139,8 +140,11 @@ class Reading:
         largest magnitude at least 100x the row's RMS over the last `window` batches, with the
         channels it was in); with the "binades" extra, values that
         would underflow in fp8 (at least 1% below the smallest subnormal of fp8_e4m3, or of
-        fp8_e5m2 for gradients, with amax scaling). A `Summary`: printable as a table,
-        `.to_dataframe()` for pandas, iterable over its `Finding`s."""
+        fp8_e5m2 for gradients, with amax scaling); with `channel_stats`, dead channels (of an
+        output: none of a channel's values above `near_zero` over the newest snapshot, named)
+        and outlier features (the kurtosis over the channels of their RMS at least 30 in the
+        newest snapshot). A `Summary`: printable as a table, `.to_dataframe()` for pandas,
+        iterable over its `Finding`s."""
         from .summary import summarize
 
         return summarize(self, top, window)

@@ -16,10 +16,12 @@ if TYPE_CHECKING:
 KINDS = (
     "non-finite",
     "dead",
+    "dead channels",
     "std exploding",
     "std collapsing",
     "kurtosis spike",
     "massive activation",
+    "outlier features",
     "would underflow in fp8",
 )
 DEAD_FRACTION = 0.99
@@ -34,6 +36,12 @@ MASSIVE_FACTOR = 100.0
 # With the "binades" extra: this fraction of a module's values (the median over the last batches)
 # below the smallest subnormal of fp8_e4m3 (outputs) or fp8_e5m2 (gradients), amax-scaled.
 UNDERFLOW_FRACTION = 0.01
+# With channel_stats: the kurtosis over a module's channels of their RMS at least this (He et al.
+# 2024's outlier-feature measure: 3 for normal RMS; one channel among n far above the others
+# gives about n).
+OUTLIER_KURTOSIS = 30.0
+# Dead channels named in a finding's detail, at most.
+NAMED_CHANNELS = 8
 
 
 class Finding(NamedTuple):
@@ -85,6 +93,10 @@ class Summary:
     __repr__ = __str__
 
 
+def _rank(kind: str) -> int:
+    return KINDS.index(kind)
+
+
 def _first(mask: torch.Tensor) -> int | None:
     hits = mask.nonzero()
     return int(hits[0]) if len(hits) else None
@@ -105,7 +117,7 @@ def _nonfinite(order: torch.Tensor, mean: torch.Tensor) -> list[Found]:
     if began is None:
         return []
     detail = f"NaN or infinite values in {int(marked.sum())} of {len(mean)} batches"
-    return [((0, began, float(order[0, began])), "non-finite", began, detail)]
+    return [((_rank("non-finite"), began, float(order[0, began])), "non-finite", began, detail)]
 
 
 def _dead(
@@ -120,7 +132,7 @@ def _dead(
     if len(recent) == 0 or not bool(dead[recent].all()):
         return []
     began = _trailing_start(dead | ~ran)
-    return [((1, began), "dead", began, f"{what} over the last {len(recent)} batches")]
+    return [((_rank("dead"), began), "dead", began, f"{what} over the last {len(recent)} batches")]
 
 
 def _std_drift(std: torch.Tensor, window: int) -> list[Found]:
@@ -136,7 +148,8 @@ def _std_drift(std: torch.Tensor, window: int) -> list[Found]:
     began = _first(crossed & std.isfinite())
     kind = "std exploding" if exploding else "std collapsing"
     detail = f"std {ratio:.3g}x that of its first batches ({baseline:.3g})"
-    return [((2, -abs(math.log(ratio))), kind, began, detail)]
+    # Exploding and collapsing rank together, by how far the std moved.
+    return [((_rank("std exploding"), -abs(math.log(ratio))), kind, began, detail)]
 
 
 def _kurtosis_spikes(kurtosis: torch.Tensor) -> list[Found]:
@@ -151,7 +164,7 @@ def _kurtosis_spikes(kurtosis: torch.Tensor) -> list[Found]:
     peak = float(kurtosis[spikes].max())
     spiked = f"{int(spikes.sum())} of {len(kurtosis)} batches"
     detail = f"kurtosis up to {peak:.3g} (median {median:.3g}) in {spiked}"
-    return [((3, -peak / median), "kurtosis spike", began, detail)]
+    return [((_rank("kurtosis spike"), -peak / median), "kurtosis spike", began, detail)]
 
 
 def _fp8_underflow(stats: dict[str, torch.Tensor], window: int, forward: bool) -> list[Found]:
@@ -171,7 +184,7 @@ def _fp8_underflow(stats: dict[str, torch.Tensor], window: int, forward: bool) -
         f"{typical:.1%} of values below {fmt}'s smallest subnormal with amax scaling (median of "
         f"the last {len(seen)} batches); dynamic range {spread:.0f} binades"
     )
-    return [((5, -typical), "would underflow in fp8", began, detail)]
+    return [((_rank("would underflow in fp8"), -typical), "would underflow in fp8", began, detail)]
 
 
 def _massive(stats: dict[str, torch.Tensor], window: int) -> list[Found]:
@@ -195,7 +208,8 @@ def _massive(stats: dict[str, torch.Tensor], window: int) -> list[Found]:
         f"largest magnitude {float(top.max()):.3g}, {factor:.3g}x the RMS ({rms:.3g}) over the "
         f"last {len(seen)} batches; largest in {on_top}"
     )
-    return [((4, -factor), "massive activation", int(seen[0]) if began is None else began, detail)]
+    began = int(seen[0]) if began is None else began
+    return [((_rank("massive activation"), -factor), "massive activation", began, detail)]
 
 
 def module_findings(
@@ -213,6 +227,59 @@ def module_findings(
     return sorted(found)
 
 
+def _dead_channels(dead: torch.Tensor, counts: int, bounds: list[tuple[int, int]]) -> list[Found]:
+    """Channels dead (`(channels, snapshots)`) over the newest snapshot, since the first of the
+    snapshots over which they all were."""
+    newest = dead[:counts, -1].nonzero().flatten()
+    if len(newest) == 0:
+        return []
+    throughout = dead[newest].all(0)
+    began = bounds[_trailing_start(throughout)][0]
+    named = ", ".join(str(c) for c in newest[:NAMED_CHANNELS].tolist())
+    more = f" and {len(newest) - NAMED_CHANNELS} more" if len(newest) > NAMED_CHANNELS else ""
+    first, last = bounds[-1]
+    detail = (
+        f"{len(newest)} of {counts} channels with no value above near_zero over batches "
+        f"{first}-{last}: channel {named}{more}"
+    )
+    return [((_rank("dead channels"), -len(newest) / counts), "dead channels", began, detail)]
+
+
+def _outlier_features(kurtosis: torch.Tensor, bounds: list[tuple[int, int]]) -> list[Found]:
+    """A channel-RMS kurtosis (`(snapshots,)`) of at least OUTLIER_KURTOSIS in the newest
+    snapshot."""
+    newest = float(kurtosis[-1]) if len(kurtosis) else math.nan
+    if not newest >= OUTLIER_KURTOSIS:
+        return []
+    began = bounds[_first(kurtosis >= OUTLIER_KURTOSIS)][0]
+    first, last = bounds[-1]
+    detail = (
+        f"kurtosis of the channels' RMS {newest:.3g} over batches {first}-{last} (3 when no "
+        "channel stands out)"
+    )
+    return [((_rank("outlier features"), -newest), "outlier features", began, detail)]
+
+
+def channel_findings(act: ActivationStats) -> list[list[Found]]:
+    """Per row, what its per-channel snapshots show (nothing without `channel_stats`), with the
+    training batch where it began."""
+    rows = len(act.module_names)
+    if not act.channel_names:
+        return [[] for _ in range(rows)]
+    bounds, counts = act.channel_batches.tolist(), act.channel_counts
+    if not bounds:
+        return [[] for _ in range(rows)]
+    dead, kurtosis = act.dead_channels, act.channel_rms_kurtosis
+    found = []
+    for row in range(rows):
+        mine = _outlier_features(kurtosis[row], bounds)
+        # Gradients are small by nature: near_zero tells of dead units in outputs only.
+        if act.is_forward and counts[row]:
+            mine += _dead_channels(dead[row], counts[row], bounds)
+        found.append(mine)
+    return found
+
+
 def summarize(act: ActivationStats, top: int, window: int) -> Summary:
     """The `top` worst modules of a run, each by its most severe finding."""
     from .arguments import count_argument
@@ -220,14 +287,21 @@ def summarize(act: ActivationStats, top: int, window: int) -> Summary:
     top = count_argument(top, "top", 1)
     window = count_argument(window, "window", 1)
     names, order, batch_ids = act.module_names, act.call_order, act.batches.tolist()
+    per_channel = channel_findings(act)
     ranked = []
     for index, name in enumerate(names):
         stats = act.layer_stats(index)
-        found = module_findings(stats, order[:, index], window, act.is_forward)
+        found = [
+            (key, kind, batch_ids[column], detail)
+            for key, kind, column, detail in module_findings(
+                stats, order[:, index], window, act.is_forward
+            )
+        ]
+        found = sorted(found + per_channel[index])
         if not found:
             continue
-        key, kind, column, detail = found[0]
+        key, kind, batch, detail = found[0]
         also = ", ".join(dict.fromkeys(k for _, k, _, _ in found[1:] if k != kind))
-        ranked.append((key, Finding(name, kind, batch_ids[column], detail, also)))
+        ranked.append((key, Finding(name, kind, batch, detail, also)))
     ranked.sort(key=lambda item: item[0])
     return Summary([finding for _, finding in ranked[:top]], act.num_batches)

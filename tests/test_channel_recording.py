@@ -273,3 +273,34 @@ def test_gradients_per_channel(backend):
             model(torch.randn(5, 4)).square().sum().backward()
             act.on_batch_end()
     _assert_snapshot(act, 1, 0, grads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_summary_and_the_long_table_show_dead_channels_and_outlier_features(backend):
+    torch.manual_seed(3)
+    layer = nn.Linear(8, 64)
+    with torch.no_grad():
+        layer.weight[3:5] = 0
+        layer.bias[3:5] = 0
+        layer.weight[9] *= 1000
+    model = nn.Sequential(layer, nn.ReLU(), nn.Linear(64, 4))
+    act = ActivationStats(model, backend=backend, channel_stats=("rms",), channel_every=2)
+    with act:
+        for _ in range(4):
+            model(torch.randn(16, 8))
+            act.on_batch_end()
+    finding = act.summary()[0]
+    assert (finding.module, finding.kind, finding.batch) == ("0", "dead channels", 0)
+    assert "2 of 64 channels" in finding.detail and "channel 3, 4" in finding.detail
+    assert finding.also == "outlier features"
+    assert float(act.channel_rms_kurtosis[0, -1]) >= 30
+    pd = pytest.importorskip("pandas")
+    table = act.to_dataframe()
+    assert isinstance(table, pd.DataFrame)
+    dead = table[(table.stat == "dead_channels") & (table.module == "0")]
+    assert dead.batch.tolist() == [1, 3] and dead.value.tolist() == [2.0, 2.0]
+    kurtosis = table[(table.stat == "channel_rms_kurtosis") & (table.module == "2")]
+    torch.testing.assert_close(
+        torch.tensor(kurtosis.value.tolist(), dtype=torch.float64),
+        act.channel_rms_kurtosis[1].double(),
+    )
