@@ -36,8 +36,13 @@ class ChannelReading:
         order (0: it has not run)."""
         self._check_channels()
         modules = len(self.module_names)
-        counts = [] if self._snapshots is None else list(self._snapshots.counts)
-        return (counts + [0] * modules)[:modules]
+        counts = [0] * modules
+        if self._snapshots is not None:
+            # The snapshots held too: a merge gives rows of modules only other ranks hook.
+            for seen in (self._snapshots.counts, *(s.counts for s in self._snapshots.held)):
+                for row, count in enumerate(seen[:modules]):
+                    counts[row] = max(counts[row], count)
+        return counts
 
     @property
     def channel_batches(self) -> torch.Tensor:

@@ -82,7 +82,8 @@ def dead_channels(active: torch.Tensor) -> torch.Tensor:
 class Snapshot(NamedTuple):
     """The per-channel sums of the recorded batches `first` to `last` (indices of training
     batches), `batches` of them: float64 `(CHANNEL_PLANES, channels)` on the run's device, slot
-    i's channels at `offsets[i]`, `counts[i]` of them (0: it never ran)."""
+    i's channels at `offsets[i]`, `counts[i]` of them (0: it never ran); `merged`: already summed
+    over the ranks by `all_reduce`."""
 
     sums: torch.Tensor
     offsets: tuple[int, ...]
@@ -90,6 +91,7 @@ class Snapshot(NamedTuple):
     first: int
     last: int
     batches: int
+    merged: bool = False
 
 
 class ChannelSnapshots:
@@ -223,7 +225,10 @@ class ChannelSnapshots:
         for s in saved["held"]:
             sums = s["sums"].to(device)
             offsets, counts = tuple(s["offsets"]), tuple(s["counts"])
-            self.held.append(Snapshot(sums, offsets, counts, s["first"], s["last"], s["batches"]))
+            merged = s.get("merged", False)
+            self.held.append(
+                Snapshot(sums, offsets, counts, s["first"], s["last"], s["batches"], merged)
+            )
         self.taken = saved["taken"]
         self.first = None if saved["first"] < 0 else saved["first"]
         self.last, self.batches = saved["last"], saved["batches"]

@@ -25,9 +25,11 @@ from .arguments import (
     uncompiled_name,
 )
 from .buffers import StatBuffers
+from .channel_merging import merge_snapshots
 from .channel_reading import ChannelReading
 from .channel_stats import ChannelSnapshots
 from .column_store import ColumnStore
+from .distributed import merge_groups
 from .dtensors import LocalPieces, sink_origin
 from .hook import HookCallback
 from .layout import BINADE_BINS, COUNT, COUNTED_EXTRAS
@@ -656,6 +658,9 @@ class ActivationStats(HookCallback, Reading, ChannelReading):
         own = len(rows.names) - len(self._others)
         all_reduce(self._store, rows, self._merged, group, mesh, mesh_dims, batches)
         self._others = list(zip(rows.names[own:], rows.types[own:], strict=True))
+        if self._snapshots is not None:
+            groups = merge_groups(group, mesh, mesh_dims)
+            merge_snapshots(self._snapshots, self.module_names, set(self._pieces.pieces), groups)
         self._args = self._buffers.op_args()  # a merge that added rows made new buffers
 
     @property
