@@ -80,16 +80,28 @@ def is_metric_tag(tag: str) -> bool:
 def newest_metrics(reading: Reading) -> dict[str, float]:
     """The newest recorded column of every statistic as scalars tagged
     `activations/<module>/<stat>` (`gradients/...` for gradient statistics,
-    `parameters/<kind>/...` for a kind of ParameterStats); empty before the first column."""
+    `parameters/<kind>/...` for a kind of ParameterStats); with `channel_stats`, the newest
+    snapshot's "dead_channels" and "channel_rms_kurtosis" too; empty before the first column."""
     if reading.num_batches == 0:
         return {}
     planes = reading.planes()
     # One conversion per statistic, not one per module and statistic.
     newest = {stat: values[:, -1].double().tolist() for stat, values in planes.items()}
+    newest.update(_newest_snapshot(reading))
     return {
         f"{reading.metric_prefix}/{name}/{stat}": values[m]
         for m, name in enumerate(reading.module_names)
         for stat, values in newest.items()
+    }
+
+
+def _newest_snapshot(reading: Reading) -> dict[str, list[float]]:
+    """Per row, what the newest per-channel snapshot shows (nothing without one)."""
+    if not reading.channel_names or len(reading.channel_batches) == 0:
+        return {}
+    return {
+        "dead_channels": reading.dead_channels[:, :, -1].sum(1).double().tolist(),
+        "channel_rms_kurtosis": reading.channel_rms_kurtosis[:, -1].double().tolist(),
     }
 
 

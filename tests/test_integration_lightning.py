@@ -99,6 +99,23 @@ def test_newest_column_goes_to_the_trainers_logger_every_n_steps(tmp_path):
         )
 
 
+def test_per_channel_snapshots_are_recorded_and_logged(tmp_path):
+    callback = ActivationStatsCallback(log_every_n_steps=5, channel_stats=("rms",), channel_every=5)
+    logger = pl.loggers.CSVLogger(tmp_path, name="run")
+    _fit(callback, logger=logger, max_epochs=1)
+    act = callback.activation_stats
+    assert act.channel_batches.tolist() == [[0, 4], [5, 9], [10, 14]]
+    assert act.channel_counts == [8, 2]
+    tag = "activations/net.0/channel_rms_kurtosis"
+    with open(logger.log_dir + "/metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get(tag)]
+    assert [int(row["step"]) for row in rows] == [5, 10, 15]
+    logged = [float(row[tag]) for row in rows]
+    assert logged == pytest.approx(act.channel_rms_kurtosis[0].tolist())
+    dead = [float(row["activations/net.0/dead_channels"]) for row in rows]
+    assert dead == act.dead_channels[0].sum(0).tolist()
+
+
 def test_a_window_logs_its_newest_column_and_sinks_under_the_log_dir(tmp_path):
     pytest.importorskip("pyarrow")
     callback = ActivationStatsCallback(log_every_n_steps=4, extra=["max"], window=3)
