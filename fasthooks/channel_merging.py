@@ -18,7 +18,7 @@ _SUMMED = [p for p in range(len(CHANNEL_PLANES)) if p != CHANNEL_ABSMAX]
 def _own(snapshots: ChannelSnapshots, names: list[str], sharded: set[int]) -> dict[str, Any]:
     """What a rank tells the others: the bounds of its unmerged snapshots, each module's channel
     count by name, and the modules whose outputs were DTensors."""
-    fresh = [s for s in snapshots.held if not s.merged]
+    fresh = [s for s in snapshots.ready() if not s.merged]
     counts: dict[str, int] = {}
     for s in fresh:
         for row, count in enumerate(s.counts):
@@ -60,11 +60,16 @@ def _disagreement(told: list[dict[str, Any]], ranks: list[int]) -> str | None:
 
 
 def merge_snapshots(
-    snapshots: ChannelSnapshots, names: list[str], sharded: set[int], groups: list[Any]
+    snapshots: ChannelSnapshots,
+    names: list[str],
+    sharded: set[int],
+    groups: list[Any],
+    device: torch.device,
 ) -> None:
-    """Merge the snapshots not merged before over each of `groups` in turn; every rank of a
-    group must hold the same ones (else each raises the same ValueError). `names`: the rows,
-    this rank's own first; `sharded`: the rows recorded from DTensor pieces."""
+    """Merge the snapshots not merged before over each of `groups` in turn, on `device` (the
+    run's); every rank of a group must hold the same ones (else each raises the same
+    ValueError). `names`: the rows, this rank's own first; `sharded`: the rows recorded from
+    DTensor pieces."""
     import torch.distributed as dist
 
     for g in groups:
@@ -78,7 +83,7 @@ def merge_snapshots(
         for t in told:
             for name, count in t["counts"].items():
                 counts[name] = max(counts.get(name, 0), count)
-        _reduce(snapshots, names, counts, g)
+        _reduce(snapshots, names, counts, g, device)
     # Merged once over every group: a later all_reduce leaves them as they are.
     snapshots.held = type(snapshots.held)(
         (s._replace(merged=True) for s in snapshots.held), maxlen=snapshots.held.maxlen
@@ -86,27 +91,30 @@ def merge_snapshots(
 
 
 def _reduce(
-    snapshots: ChannelSnapshots, names: list[str], counts: dict[str, int], group: Any
+    snapshots: ChannelSnapshots,
+    names: list[str],
+    counts: dict[str, int],
+    group: Any,
+    device: torch.device,
 ) -> None:
     """Sum the unmerged snapshots over `group` in one layout every rank shares (the names
     sorted), then keep each in this rank's row order."""
     import torch.distributed as dist
 
-    held = list(snapshots.held)
+    held = list(snapshots.ready())
     fresh = [k for k, s in enumerate(held) if not s.merged]
     if not fresh:
         return
     shared = sorted(counts)
     start = dict(zip(shared, accumulate((counts[n] for n in shared), initial=0), strict=False))
     total = sum(counts.values())
-    device = held[fresh[0]].sums.device
     flat = torch.zeros(len(fresh), len(CHANNEL_PLANES), total, dtype=torch.float64, device=device)
     for i, k in enumerate(fresh):
         s = held[k]
         for row, (offset, count) in enumerate(zip(s.offsets, s.counts, strict=True)):
             if count:
                 at = start[names[row]]
-                flat[i, :, at : at + count] = s.sums[:, offset : offset + count]
+                flat[i, :, at : at + count] = s.sums[:, offset : offset + count].to(device)
     summed = flat[:, _SUMMED].contiguous()
     dist.all_reduce(summed, group=group)
     # Magnitudes are at least 0 or NaN: as int64 bits their order is theirs, NaN above all.
@@ -123,7 +131,7 @@ def _reduce(
     ).to(device)
     for i, k in enumerate(fresh):
         s = held[k]
-        sums = flat[i].index_select(1, order)
+        sums = flat[i].index_select(1, order).cpu()
         held[k] = Snapshot(sums, tuple(offsets), tuple(rows), s.first, s.last, s.batches)
     snapshots.held.clear()
     snapshots.held.extend(held)

@@ -5,7 +5,9 @@ The operator adds every hooked call's values to the open batch's per-channel sum
 activations' device (`StatBuffers.channels`, `layout.CHANNEL_PLANES`). A training batch's sums
 join those of its period when it closes (a batch closed with `train=False` drops its own), and
 every `channel_every` recorded batches `ChannelSnapshots.take` keeps the period's sums, only the
-channels each module has, and starts a new period: device work, no host sync. Reading pads
+channels each module has, on the host (from a GPU a copy into pinned memory that is not waited
+for), and starts a new period: no host sync, and the device holds the running sums alone. Reading
+pads
 each module to the largest channel count with NaN. The sums (not statistics) are kept, so ranks
 merge them exactly.
 """
@@ -118,7 +120,8 @@ class ChannelSnapshots:
 
     def __init__(self, every: int, keep: int | None, slots: int) -> None:
         self.every, self.keep = every, keep
-        self.held: deque[Snapshot] = deque(maxlen=keep)
+        self.held: deque[Snapshot] = deque(maxlen=keep)  # on the host
+        self.copying: list[Any] = []  # CUDA events of copies to the host not yet waited for
         self.taken = 0  # snapshots taken, with those the window let go
         self.first: int | None = None  # the first batch of the open period
         self.last = -1  # the last batch of the open period
@@ -184,7 +187,7 @@ class ChannelSnapshots:
         sums = self.period if self.period is not None else torch.zeros(len(CHANNEL_PLANES), 0)
         self.held.append(
             Snapshot(
-                sums[:, : self.used].clone(),
+                self._to_host(sums[:, : self.used]),
                 tuple(self.offsets),
                 tuple(self.counts),
                 self.first,
@@ -195,6 +198,25 @@ class ChannelSnapshots:
         self.taken += 1
         sums.zero_()
         self.first, self.batches = None, 0
+
+    def _to_host(self, sums: torch.Tensor) -> torch.Tensor:
+        """A host copy of a period's sums: the device keeps only the running ones, however many
+        snapshots a run takes. From a GPU into pinned memory, without waiting: `ready` does."""
+        if sums.device.type != "cuda":
+            return sums.to("cpu", copy=True)
+        host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+        host.copy_(sums, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.copying = [e for e in self.copying if not e.query()] + [copied]
+        return host
+
+    def ready(self) -> deque[Snapshot]:
+        """The snapshots held, once every copy to the host has arrived."""
+        for copied in self.copying:
+            copied.synchronize()
+        self.copying = []
+        return self.held
 
     def state(self) -> dict[str, Any]:
         """The snapshots held and the open period, as CPU tensors and plain values (a checkpoint
@@ -208,7 +230,7 @@ class ChannelSnapshots:
                     "offsets": list(s.offsets),
                     "counts": list(s.counts),
                 }
-                for s in self.held
+                for s in self.ready()
             ],
             "taken": self.taken,
             "period": period[:, : self.used].to("cpu", copy=True),  # take() zeroes the live one
@@ -223,7 +245,7 @@ class ChannelSnapshots:
         """Continue after `state()`'s snapshots and open period, on `buffers`' device."""
         device = buffers.channels.device
         for s in saved["held"]:
-            sums = s["sums"].to(device)
+            sums = s["sums"]
             offsets, counts = tuple(s["offsets"]), tuple(s["counts"])
             merged = s.get("merged", False)
             self.held.append(
@@ -248,8 +270,8 @@ class ChannelSnapshots:
         """float64 CPU `(modules, CHANNEL_PLANES, width, snapshots)` sums of the snapshots held,
         0 for channels a module does not have (their count reads 0)."""
         out = torch.zeros(modules, len(CHANNEL_PLANES), width, len(self.held), dtype=torch.float64)
-        for k, snapshot in enumerate(self.held):
-            sums = snapshot.sums.cpu()
+        for k, snapshot in enumerate(self.ready()):
+            sums = snapshot.sums
             regions = zip(snapshot.offsets, snapshot.counts, strict=True)
             for slot, (start, count) in enumerate(regions):
                 n = min(count, width)

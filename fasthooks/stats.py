@@ -660,7 +660,9 @@ class ActivationStats(HookCallback, Reading, ChannelReading):
         self._others = list(zip(rows.names[own:], rows.types[own:], strict=True))
         if self._snapshots is not None:
             groups = merge_groups(group, mesh, mesh_dims)
-            merge_snapshots(self._snapshots, self.module_names, set(self._pieces.pieces), groups)
+            sharded = set(self._pieces.pieces)
+            device = self._buffers.channels.device
+            merge_snapshots(self._snapshots, self.module_names, sharded, groups, device)
         self._args = self._buffers.op_args()  # a merge that added rows made new buffers
 
     @property
