@@ -41,7 +41,8 @@ export TRITON_CACHE_DIR := $(CURDIR)/build/triton-cache
 
 .PHONY: help setup build install demo test test-quick test-cpu test-cuda-on-cpu test-isa \
 	test-cuda-kernels test-wheel test-sdist wheel wheel-venv sdist docs lint bench bench-train bench-quick \
-	bench-cpu bench-params bench-monitors bench-nonfinite bench-low-precision bench-channels bench-window bench-allreduce bench-abi \
+	bench-cpu bench-params bench-monitors bench-nonfinite bench-low-precision bench-channels \
+	bench-channel-memory bench-window bench-allreduce bench-abi \
 	bench-roofline bench-compile clean
 
 ## help: this list of targets
@@ -285,6 +286,10 @@ bench-low-precision: build
 ## bench-channels: per-channel statistics per layout beside torch.sum and hand-rolled torch ops
 bench-channels: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/channel_stats.py --out results/channel_stats
+
+## bench-channel-memory: per-channel statistics on GPT-2 small: their memory, a step's time
+bench-channel-memory: build
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/python benchmarks/channel_memory.py --out results/channel_memory
 
 ## bench-nonfinite: the non-finite guard beside DebugUnderflowOverflow and detect_anomaly
 bench-nonfinite: build

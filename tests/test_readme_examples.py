@@ -31,6 +31,7 @@ NEEDS = {
     "pipeline stages": None,
     "fp8 fit": None,
     "massive activations": None,
+    "per-channel statistics": None,
 }
 
 
