@@ -36,6 +36,7 @@ TEST_FILES = (
     "test_isa.py",
     "test_binades.py",
     "test_top_k.py",
+    "test_channel_sums.py",
 )
 # On aarch64 the wheel is the installed one: its checks run there too.
 AARCH64_TEST_FILES = (*TEST_FILES, "test_extension.py")

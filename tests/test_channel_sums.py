@@ -12,6 +12,7 @@ from fasthooks.buffers import StatBuffers
 from fasthooks.layout import CHANNEL_ABSMAX, CHANNEL_ACTIVE, CHANNEL_COUNT, CHANNEL_SUM
 from fasthooks.moments import accumulate_stats_python
 
+pytestmark = pytest.mark.isa  # the CPU kernels of every build: tests/isa_matrix.py
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 FUSED_OK = int(fasthooks.extension_available())
 
