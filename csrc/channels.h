@@ -2,8 +2,8 @@
 // takes a snapshot and clears them. Every module of a run shares one buffer of kChannelPlanes
 // planes, each module's channels a region of it from channel_region, so it takes the channels the
 // modules have, not modules times the widest. channel_offset (where a sharded output's local
-// channel 0 lies in the whole tensor) adds to it, as it adds to the top_k channels. Shared by the CPU and CUDA kernels;
-// fasthooks/moments.py (channel_sums) computes the same planes.
+// channel 0 lies in the whole tensor) adds to it, as it adds to the top_k channels. Shared by the
+// CPU and CUDA kernels; fasthooks/moments.py (channel_sums) computes the same planes.
 #pragma once
 
 #include "stats.h"

@@ -428,9 +428,10 @@ void accumulate_stats_cpu(const Tensor& x, const Tensor& state, const Tensor& st
   check_channels(channels, x, state, channel_dim, channel_offset, channel_region);
   const bool ordered = check_call_order(order, clock, state);
   const Tensor dense = dense_values(x);
-  const Stats call = accumulate_one(dense, nullptr, state, stats, extra, hist, &binades, &top,
-                                    &channels, channel_map(dense, channel_dim, channel_offset), channel_region,
-                                    cursor, slot, full, near_zero, hist_min, hist_max);
+  const Stats call =
+      accumulate_one(dense, nullptr, state, stats, extra, hist, &binades, &top, &channels,
+                     channel_map(dense, channel_dim, channel_offset), channel_region, cursor, slot,
+                     full, near_zero, hist_min, hist_max);
   if (ordered && call.count > 0) note_order(order, clock, cursor, slot, full, call);
 }
 
