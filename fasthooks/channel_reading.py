@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .channel_stats import channel_statistics, dead_channels, kurtosis_over_channels
-from .layout import CHANNEL_STATS
+from .layout import CHANNEL_PLANES, CHANNEL_STATS
 
 
 class ChannelReading:
@@ -27,7 +27,7 @@ class ChannelReading:
         """float64 `(modules, CHANNEL_PLANES, max_channels, snapshots)` of the snapshots held."""
         modules = len(self.module_names)
         if self._snapshots is None:
-            return torch.zeros(modules, 5, 0, 0, dtype=torch.float64)
+            return torch.zeros(modules, len(CHANNEL_PLANES), 0, 0, dtype=torch.float64)
         return self._snapshots.read(modules, max(self.channel_counts, default=0))
 
     @property
