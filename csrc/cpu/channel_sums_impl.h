@@ -4,8 +4,9 @@
 
 // Sums in working precision cover at most this many values per lane before they go to double.
 constexpr int64_t kChannelFold = 64;
-// Vectors of channels summed side by side down the rows of a stride-1 channel axis.
-constexpr int64_t kChannelUnroll = 4;
+// Vectors of channels summed side by side down the rows of a stride-1 channel axis: each takes
+// five vector registers, so four where there are 32 (AVX-512), two where there are 16.
+constexpr int64_t kChannelUnroll = kVectorBytes >= 64 ? 4 : 2;
 
 template <typename Acc>
 struct ChannelVectors {
@@ -34,34 +35,51 @@ struct ChannelVectors {
 };
 
 // The sums of values in vector lanes, each lane in working precision but the squares, which are
-// taken in double: a float square leaves float's range from |v| of 2^64 up and 2^-75 down.
-typedef double WideOfFloat __attribute__((vector_size(2 * kVectorBytes)));
-typedef double WideOfDouble __attribute__((vector_size(kVectorBytes)));
+// taken in double: a float square leaves float's range from |v| of 2^64 up and 2^-75 down. The
+// squares of a float vector are two vectors of the native width, its low and its high lanes: one
+// vector twice as wide is kept in memory by the compiler, not in registers.
+typedef double Doubles __attribute__((vector_size(kVectorBytes)));
+
+// Lanes From.. of v, as many as Lanes names: a vector of their own.
+template <size_t From, typename Vec, size_t... Lanes>
+inline auto lanes_from(const Vec& v, std::index_sequence<Lanes...>) {
+  return __builtin_shufflevector(v, v, (From + Lanes)...);
+}
 
 template <typename Acc>
 struct LaneSums {
   using V = ChannelVectors<Acc>;
-  using Wide = std::conditional_t<sizeof(Acc) == 4, WideOfFloat, WideOfDouble>;
+  static constexpr int64_t half = sizeof(Acc) == 4 ? V::lanes / 2 : V::lanes;
+  using Halves = std::make_index_sequence<static_cast<size_t>(half)>;
   typename V::Vec sum{};
-  Wide sum_sq{};
+  Doubles low_sq{}, high_sq{};  // high_sq only for float lanes
   typename V::Index absmax{}, active{};
 
   void add(const typename V::Vec& v, const typename V::Vec& limit) {
     const typename V::Index bits = V::magnitude_bits(v);
     typename V::Vec a;
     std::memcpy(&a, &bits, sizeof a);
-    const Wide w = __builtin_convertvector(v, Wide);
+    if constexpr (sizeof(Acc) == 4) {
+      typedef double Wide __attribute__((vector_size(2 * kVectorBytes)));
+      const Wide w = __builtin_convertvector(v, Wide);
+      const Doubles l = lanes_from<0>(w, Halves{});
+      const Doubles h = lanes_from<half>(w, Halves{});
+      low_sq += l * l;
+      high_sq += h * h;
+    } else {
+      low_sq += v * v;
+    }
     sum += v;
-    sum_sq += w * w;
     absmax = bits > absmax ? bits : absmax;
     active -= a > limit;  // true is -1; NaN is not above
   }
+  double square_sum(int64_t l) const { return l < half ? low_sq[l] : high_sq[l - half]; }
   // Every lane's sums added to channel c's, each plane stored once.
   void fold_lanes(int64_t c, ChannelSums& to) const {
     double s = 0, q = 0, m = 0, k = 0;
     for (int64_t l = 0; l < V::lanes; ++l) {
       s += sum[l];
-      q += sum_sq[l];
+      q += square_sum(l);
       m = fasthooks::nan_max(static_cast<double>(V::from_bits(absmax[l])), m);
       k += static_cast<double>(active[l]);
     }
@@ -74,7 +92,7 @@ struct LaneSums {
   // Lane l's sums added to channel c's.
   void fold_lane(int64_t l, int64_t c, ChannelSums& to) const {
     to.plane(kChannelSum)[c] += sum[l];
-    to.plane(kChannelSumSq)[c] += sum_sq[l];
+    to.plane(kChannelSumSq)[c] += square_sum(l);
     double& largest = to.plane(kChannelAbsmax)[c];
     largest = fasthooks::nan_max(static_cast<double>(V::from_bits(absmax[l])), largest);
     to.plane(kChannelActive)[c] += static_cast<double>(active[l]);
