@@ -116,7 +116,7 @@ class AccumulateArgs(NamedTuple):
         >>> names.append("cursor")
         >>> AccumulateArgs(*names, 0)
         ... # doctest: +ELLIPSIS
-        AccumulateArgs(x='x', ..., slot=0, near_zero=0.05, hist_min=0.0, ..., channel_offset=0)
+        AccumulateArgs(x='x', ..., slot=0, near_zero=0.05, hist_min=0.0, ..., channel_region=0)
     """
 
     x: torch.Tensor
