@@ -23,12 +23,25 @@ class ChannelReading:
                 'per-channel statistics are recorded only with channel_stats=("absmax", ...)'
             )
 
-    def _channel_sums(self) -> torch.Tensor:
-        """float64 `(modules, CHANNEL_PLANES, max_channels, snapshots)` of the snapshots held."""
+    def _channel_sums(self, newest: int | None = None) -> torch.Tensor:
+        """float64 `(modules, CHANNEL_PLANES, max_channels, snapshots)` of the snapshots held
+        (the `newest` of them only, when given)."""
         modules = len(self.module_names)
         if self._snapshots is None:
             return torch.zeros(modules, len(CHANNEL_PLANES), 0, 0, dtype=torch.float64)
-        return self._snapshots.read(modules, max(self.channel_counts, default=0))
+        return self._snapshots.read(modules, max(self.channel_counts, default=0), newest)
+
+    def newest_channel_figures(self) -> dict[str, torch.Tensor]:
+        """Of the newest snapshot only (empty without one): per row, "dead_channels" (how many,
+        float64) and "channel_rms_kurtosis"; what logging reads at every log step."""
+        self._check_channels()
+        if self._snapshots is None or not self._snapshots.held:
+            return {}
+        stats = channel_statistics(self._channel_sums(newest=1).movedim(1, -2), ("active", "rms"))
+        return {
+            "dead_channels": dead_channels(stats["active"])[:, :, 0].sum(1).double(),
+            "channel_rms_kurtosis": kurtosis_over_channels(stats["rms"])[:, 0].double(),
+        }
 
     @property
     def channel_counts(self) -> list[int]:

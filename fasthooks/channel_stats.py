@@ -142,11 +142,11 @@ class ChannelSnapshots:
         if grew:
             # Doubling: the first batch meets the modules one at a time.
             buffers.resize_channels(max(self.used, 2 * buffers.channel_room))
+            if self.period is not None:
+                self._period_like(buffers.channels)  # the period has the same room
         old, held = self.offsets[slot], self.counts[slot]
         if held:
-            planes = [buffers.channels]
-            if self.period is not None:
-                planes.append(self._period_like(buffers.channels))
+            planes = [buffers.channels] + ([self.period] if self.period is not None else [])
             for p in planes:
                 p[:, start : start + held].copy_(p[:, old : old + held])
                 p[:, old : old + held].zero_()
@@ -221,7 +221,9 @@ class ChannelSnapshots:
     def state(self) -> dict[str, Any]:
         """The snapshots held and the open period, as CPU tensors and plain values (a checkpoint
         is taken between batches: the open batch's sums are not in it)."""
-        period = self.period if self.period is not None else torch.zeros(len(CHANNEL_PLANES), 0)
+        period = self.period
+        if period is None:  # no batch closed yet: the regions given so far, empty
+            period = torch.zeros(len(CHANNEL_PLANES), self.used, dtype=torch.float64)
         return {
             "held": [
                 {
@@ -266,11 +268,14 @@ class ChannelSnapshots:
         period early, at the end of training)."""
         return [(s.first, s.last) for s in self.held]
 
-    def read(self, modules: int, width: int) -> torch.Tensor:
-        """float64 CPU `(modules, CHANNEL_PLANES, width, snapshots)` sums of the snapshots held,
-        0 for channels a module does not have (their count reads 0)."""
-        out = torch.zeros(modules, len(CHANNEL_PLANES), width, len(self.held), dtype=torch.float64)
-        for k, snapshot in enumerate(self.ready()):
+    def read(self, modules: int, width: int, newest: int | None = None) -> torch.Tensor:
+        """float64 CPU `(modules, CHANNEL_PLANES, width, snapshots)` sums of the snapshots held
+        (the `newest` of them only, when given), 0 for channels a module does not have (their
+        count reads 0)."""
+        held = list(self.ready())
+        held = held[len(held) - min(newest, len(held)) :] if newest is not None else held
+        out = torch.zeros(modules, len(CHANNEL_PLANES), width, len(held), dtype=torch.float64)
+        for k, snapshot in enumerate(held):
             sums = snapshot.sums
             regions = zip(snapshot.offsets, snapshot.counts, strict=True)
             for slot, (start, count) in enumerate(regions):

@@ -97,12 +97,9 @@ def newest_metrics(reading: Reading) -> dict[str, float]:
 
 def _newest_snapshot(reading: Reading) -> dict[str, list[float]]:
     """Per row, what the newest per-channel snapshot shows (nothing without one)."""
-    if not reading.channel_names or len(reading.channel_batches) == 0:
+    if not reading.channel_names:
         return {}
-    return {
-        "dead_channels": reading.dead_channels[:, :, -1].sum(1).double().tolist(),
-        "channel_rms_kurtosis": reading.channel_rms_kurtosis[:, -1].double().tolist(),
-    }
+    return {name: values.tolist() for name, values in reading.newest_channel_figures().items()}
 
 
 def newest_parameter_metrics(ps: ParameterStats) -> dict[str, float]:

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fasthooks
 from fasthooks import ActivationStats
+from fasthooks.layout import CHANNEL_COUNT
 
 # Rows of each batch given to rank 0 and rank 1: uneven, and the last leaves rank 1 empty.
 SPLITS = [(7, 5), (3, 9), (6, 0)]
@@ -50,6 +51,8 @@ def _channels(act: ActivationStats) -> dict:
         "names": act.module_names,
         "counts": act.channel_counts,
         "batches": act.channel_batches.clone(),
+        # How many values each channel's sums hold: merged twice, they would double.
+        "values": act._channel_sums()[:, CHANNEL_COUNT].clone(),
         **{name: values.clone() for name, values in act.channel_stats.items()},
     }
 
@@ -123,6 +126,7 @@ def _whole(backend: str, **options) -> dict:
 def _assert_same(got: dict, want: dict) -> None:
     assert got["counts"] == want["counts"]
     assert torch.equal(got["batches"], want["batches"])
+    assert torch.equal(got["values"], want["values"])
     for name in OPTIONS["channel_stats"]:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, equal_nan=True)
 

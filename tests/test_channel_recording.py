@@ -304,3 +304,64 @@ def test_summary_and_the_long_table_show_dead_channels_and_outlier_features(back
         torch.tensor(kurtosis.value.tolist(), dtype=torch.float64),
         act.channel_rms_kurtosis[1].double(),
     )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_module_first_seen_in_a_dropped_batch_reads_and_resumes(backend):
+    model = _mlp()
+    act = ActivationStats(model, backend=backend, channel_stats=ALL, channel_every=3)
+    with act:
+        model[0](torch.randn(2, 4))  # the last layer has not run yet
+        act.on_batch_end()
+        model(torch.randn(2, 4))  # it runs first in a batch that is not recorded
+        act.on_batch_end(train=False)
+        state = act.state_dict()
+    assert act.channel_counts == [6, 3]
+    assert bool(act.channel_stats["rms"][1].isnan().all())  # none of its values recorded
+    resumed = ActivationStats(model, backend=backend, channel_stats=ALL, channel_every=3)
+    resumed.load_state_dict(state)
+    keep = Keep(model[2])
+    with resumed:
+        model(torch.randn(5, 4))
+        resumed.on_batch_end()
+    assert resumed.channel_batches.tolist() == [[0, 1]]
+    _assert_snapshot(resumed, 1, 0, keep.outputs[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_checkpoint_before_the_first_recorded_batch_keeps_the_regions(backend):
+    inputs = [torch.randn(4, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    model = _mlp()
+    first = ActivationStats(model, backend=backend, channel_stats=ALL, channel_every=2)
+    with first:
+        model(inputs[0] * 50)
+        first.on_batch_end(train=False)
+        state = first.state_dict()
+    resumed = ActivationStats(model, backend=backend, channel_stats=ALL, channel_every=2)
+    resumed.load_state_dict(state)
+    fresh = ActivationStats(model, backend=backend, channel_stats=ALL, channel_every=2)
+    for act in (resumed, fresh):
+        with act:
+            for x in inputs[1:]:
+                model(x)
+                act.on_batch_end()
+    for name in ALL:
+        torch.testing.assert_close(
+            resumed.channel_stats[name], fresh.channel_stats[name], equal_nan=True
+        )
+    assert resumed.channel_counts == [6, 3]
+    assert not bool(resumed.channel_stats["rms"][0].isnan().any())
+
+
+def test_logging_reads_the_newest_snapshot_alone():
+    model = _mlp()
+    act = ActivationStats(model, backend="python", channel_stats=("rms",), channel_every=1)
+    with act:
+        for _ in range(3):
+            model(torch.randn(4, 4))
+            act.on_batch_end()
+    newest = act.newest_channel_figures()
+    torch.testing.assert_close(
+        newest["channel_rms_kurtosis"], act.channel_rms_kurtosis[:, -1].double()
+    )
+    assert newest["dead_channels"].tolist() == act.dead_channels[:, :, -1].sum(1).tolist()
