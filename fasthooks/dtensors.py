@@ -119,6 +119,9 @@ class LocalPieces:
         self.placements: dict[int, str] = {}  # by row
         self.pieces: dict[int, Piece] = {}  # by row: the ranks holding the same values
         self.mesh: Any = None  # the mesh of the first distributed tensor seen
+        # Where each row's local piece lies in the whole tensor: its whole shape and the
+        # piece's offset on every dimension, by row (rows recorded from DTensors only).
+        self.extents: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         # A tensor-parallel module's DTensor output, by row: its mesh and whole shape.
         self._raw: dict[int, tuple[Any, tuple[int, ...]]] = {}
 
@@ -141,6 +144,7 @@ class LocalPieces:
             self.mesh = t.device_mesh if self.mesh is None else self.mesh
             self.placements[row] = describe_placements(t)
             self.pieces[row] = Piece.of(t, outside_replicated=self.parameters)
+            self.extents[row] = extent(t)
             if is_partial(t):
                 warnings.warn(
                     f"{self.recorder}: {name()} is a DTensor with partial values "
@@ -158,6 +162,7 @@ class LocalPieces:
         def seen(m: Any, i: Any, o: Any) -> None:
             if row not in self.pieces and row not in self._raw and is_dtensor(o):
                 self._raw[row] = (o.device_mesh, tuple(o.shape))
+                self.extents[row] = extent(o)
 
         return seen
 
@@ -169,9 +174,28 @@ class LocalPieces:
         what = "Replicate" if whole else "a shard"
         self.placements[row] = f"local output, {what} on {tuple(mesh.shape)}"
 
+    def channel_extent(self, row: int, t: torch.Tensor, dim: int) -> tuple[int, int] | None:
+        """Row `row`'s channels along `dim` when its local piece `t` came from a DTensor: how
+        many the whole tensor has, and where the piece's first one lies among them (None for a
+        plain tensor, or a dim `t` does not have)."""
+        whole = self.extents.get(row)
+        if whole is None or len(whole[0]) != t.dim() or not -t.dim() <= dim < t.dim():
+            return None
+        shape, offset = whole
+        return shape[dim], offset[dim]
+
     def by_name(self, names: list[str]) -> dict[str, str]:
         """The placements seen, by the name of their row."""
         return {names[row]: placements for row, placements in sorted(self.placements.items())}
+
+
+def extent(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A DTensor's whole shape and its local piece's offset on each dimension (0 on a rank that
+    holds none of it)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(t.shape), tuple(int(o) for o in offset)
 
 
 def sink_origin(pieces: dict[int, Piece], names: list[str]) -> dict[str, Any]:

@@ -496,13 +496,15 @@ class ActivationStats(HookCallback, Reading, ChannelReading):
         if self.top_k or self._snapshots is not None:
             dim = self._channel_dims[slot]
             dim = default_channel_dim(x.dim()) if dim is None else dim
+            # A DTensor's piece: its channels placed (and named) among the whole tensor's.
+            whole = self._pieces.channel_extent(slot, x, dim) if self._pieces.extents else None
+            count, first = (_channel_count(x, dim), 0) if whole is None else whole
             region = 0
             if self._snapshots is not None:
-                count = _channel_count(x, dim)
                 region, grew = self._snapshots.offset(self._buffers, slot, count)
                 if grew:
                     self._args = self._buffers.op_args()
-            self._accumulate(x.detach(), *self._args, slot, *self._options, dim, 0, region)
+            self._accumulate(x.detach(), *self._args, slot, *self._options, dim, first, region)
         else:
             self._accumulate(x.detach(), *self._args, slot, *self._options)
 
@@ -660,9 +662,11 @@ class ActivationStats(HookCallback, Reading, ChannelReading):
         self._others = list(zip(rows.names[own:], rows.types[own:], strict=True))
         if self._snapshots is not None:
             groups = merge_groups(group, mesh, mesh_dims)
-            sharded = set(self._pieces.pieces)
             device = self._buffers.channels.device
-            merge_snapshots(self._snapshots, self.module_names, sharded, groups, device)
+            pieces = self._pieces.pieces
+            merge_snapshots(
+                self._snapshots, self.module_names, pieces, groups, device, self._pieces.mesh
+            )
         self._args = self._buffers.op_args()  # a merge that added rows made new buffers
 
     @property

@@ -4,17 +4,20 @@ every batch, by module name; mismatches fail with the same error on every rank."
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_channel_recording import Widening
+from test_distributed import _free_port
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import fasthooks
 from fasthooks import ActivationStats
+from fasthooks.channel_merging import _disagreement
+from fasthooks.channel_sources import Sources, silent
 from fasthooks.layout import CHANNEL_COUNT
 
 # Rows of each batch given to rank 0 and rank 1: uneven, and the last leaves rank 1 empty.
@@ -26,17 +29,6 @@ BACKENDS = ["python", "fused"] if fasthooks.extension_available() else ["python"
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 5))
-
-
-class Scale(nn.Module):
-    """As many channels as its input has."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.tensor(2.0))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
 
 
 def _batches() -> list[torch.Tensor]:
@@ -86,7 +78,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     # Another channel_every on rank 1, or another channel count: every rank raises the same.
     results["mismatch"] = []
     for every, width in ((2 + rank, 6), (2, 6 + rank)):
-        model = nn.Sequential(Scale())
+        model = nn.Sequential(Widening())
         act = ActivationStats(model, backend="python", channel_stats=("rms",), channel_every=every)
         with act:
             model(torch.randn(4, width))
@@ -98,12 +90,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             results["mismatch"].append(str(error))
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +150,53 @@ def test_ranks_with_other_options_or_channel_counts_fail_with_the_same_error(ran
     assert options[0] == options[1] and "channel_every" in options[0]
     assert counts[0] == counts[1]
     assert "all_reduce: 0 has 6 channels on rank 0 and 7 on rank 1" in counts[0], counts[0]
+
+
+def _told(sources: dict[str, list[int]]) -> dict:
+    return {
+        "bounds": [(0, 1)],
+        "counts": dict.fromkeys(sources, 4),
+        "sources": sources,
+        "shards": {},
+    }
+
+
+def _merge_in_groups(held: dict[int, set[int]], groups: list[list[int]]):
+    """Each rank's sources of one module after merging over `groups` (a partition of the
+    ranks), and the ranks each left silent."""
+    told = {r: _told({"m": sorted(s)}) for r, s in held.items()}
+    silent_ranks, after = set(), {}
+    for ranks in groups:
+        group = [told[r] for r in ranks]
+        assert _disagreement(group, ranks) is None
+        silent_ranks |= {r for r in ranks if silent(group, ranks, r)}
+        merged = Sources([], {}, 0, set(), {}, None)
+        merged.merged(group)
+        after.update(dict.fromkeys(ranks, merged.held["m"]))
+    return after, silent_ranks
+
+
+@pytest.mark.parametrize("order", ["data_first", "tensor_first"])
+def test_a_replica_over_one_mesh_dimension_counts_once_merging_in_either_order(order):
+    # A 2x2 mesh (data, tensor): an output replicated over the tensor-parallel ranks (0 and 1
+    # hold the same values, 2 and 3 another batch's).
+    held = {0: {0}, 1: {0}, 2: {2}, 3: {2}}
+    data, tensor = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
+    first, second = (data, tensor) if order == "data_first" else (tensor, data)
+    held, silent_first = _merge_in_groups(held, first)
+    held, silent_second = _merge_in_groups(held, second)
+    assert all(s == frozenset({0, 2}) for s in held.values())
+    # One rank of each pair holding the same values stays out: with tensor first, the replicas;
+    # with data first, 1 and 3, whose merged sums equal 0's and 2's by then.
+    assert (silent_first, silent_second) == (
+        (set(), {1, 3}) if order == "data_first" else ({1, 3}, set())
+    )
+
+
+def test_groups_whose_sums_overlap_fail_naming_both_ranks():
+    told = [_told({"m": [0]}), _told({"m": [0, 1]})]
+    problem = _disagreement(told, [0, 1])
+    assert problem is not None
+    assert "m's per-channel sums on rank 0 hold the values of ranks [0], on rank 1 of [0, 1]" in (
+        problem
+    )

@@ -28,10 +28,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fasthooks
 from fasthooks import ActivationStats, ParameterStats
+from fasthooks.layout import CHANNEL_COUNT
 
 BACKEND_NAMES = ["python", "fused"] if fasthooks.extension_available() else ["python"]
 STEPS, ROWS = 3, 8  # rows of each step's batch, half on each rank under FSDP2
 OPTIONS = {"extra": ("min", "max", "norm", "absmax"), "hist_bins": 8, "hist_range": (-2.0, 2.0)}
+CHANNELS = {"channel_stats": ("absmax", "mean", "rms", "active"), "channel_every": 2, "top_k": 3}
 
 
 def _model() -> nn.Module:
@@ -117,6 +119,47 @@ def _tensor_parallel(rank: int, backend: str, local: bool = False) -> dict:
     _train(model, _batches(), act, ps, optimizer)  # every rank sees the whole batch
     # Layer 0's sharded output merges, layer 2's replicated one counts once; so do parameters.
     return {**_readings(act, ps), "merged": _merged(act, ps)}
+
+
+def _channel_readings(act: ActivationStats) -> dict:
+    return {
+        "counts": act.channel_counts,
+        # How many values each channel's sums hold: a replica counted twice would double them.
+        "values": act._channel_sums()[:, CHANNEL_COUNT].clone(),
+        "top_values": act.top_values.clone(),
+        "top_channels": act.top_channels.clone(),
+        **{name: values.clone() for name, values in act.channel_stats.items()},
+    }
+
+
+def _channel_model() -> nn.Module:
+    """A column-wise and a row-wise layer with plain modules after each: under tensor
+    parallelism with local outputs, the ReLU sees a rank's shard of the features and the Tanh a
+    replica."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4), nn.Tanh())
+
+
+def _tensor_parallel_channels(rank: int, backend: str, local: bool = False) -> dict:
+    """Per-channel statistics and the top channels of tensor-parallel outputs, before and after
+    the merge, with DTensors handed on or (`local`) local tensors."""
+    model = _channel_model()
+    plan = {
+        "0": ColwiseParallel(use_local_output=local),
+        "2": RowwiseParallel(use_local_output=local),
+    }
+    parallelize_module(model, init_device_mesh("cpu", (2,)), plan)
+    act = ActivationStats(model, modules=list(model), backend=backend, **CHANNELS)
+    with act:
+        for x in _batches():  # every rank sees the whole batch
+            model(x)
+            act.on_batch_end()
+    own = _channel_readings(act)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        act.all_reduce()
+    said = [str(w.message) for w in caught if "per-channel" in str(w.message)]
+    return {"own": own, "merged": _channel_readings(act), "warnings": said}
 
 
 def _windowed(rank: int, backend: str) -> dict:
@@ -289,6 +332,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             "ddp": _data_parallel(rank, backend),
             "tp": _tensor_parallel(rank, backend),
             "tp_local": _tensor_parallel(rank, backend, local=True),
+            "tp_channels": _tensor_parallel_channels(rank, backend),
+            "tp_local_channels": _tensor_parallel_channels(rank, backend, local=True),
             "window": _windowed(rank, backend),
             "sequence": _sequence_parallel(rank, backend),
             "loss_parallel": _prepared_loss_parallel(rank, backend),
@@ -462,3 +507,53 @@ def test_prepared_layouts_and_loss_parallel_merge_into_one_process(ranks, backen
             for name, values in whole["ps"][kind].items():
                 _same(got["ps"][kind][name], values)
         _same(got["ps"]["global_norm"], whole["ps"]["global_norm"])
+
+
+def _whole_channels(backend: str) -> dict:
+    model = _channel_model()
+    act = ActivationStats(model, modules=list(model), backend=backend, **CHANNELS)
+    with act:
+        for x in _batches():
+            model(x)
+            act.on_batch_end()
+    return _channel_readings(act)
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["dtensor_outputs", "local_outputs"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensor_parallel_channels_are_named_in_the_whole_tensor_and_merge_into_it(
+    ranks, backend, local
+):
+    whole = _whole_channels(backend)
+    # Rows: the column-wise layer (sharded along its channels), the ReLU (a DTensor shard, or
+    # with local outputs a plain tensor of the rank's own 8 channels), the row-wise layer and
+    # the Tanh (replicas).
+    sharded = [0] if local else [0, 1]
+    merged_rows = [0, 2, 3] if local else [0, 1, 2, 3]
+    for rank, got in enumerate(
+        r[backend]["tp_local_channels" if local else "tp_channels"] for r in ranks
+    ):
+        own, merged = got["own"], got["merged"]
+        # Each rank's piece holds its own 8 of the 16 channels, named as in the whole tensor:
+        # the others read NaN until merged.
+        mine = slice(8 * rank, 8 * rank + 8)
+        assert own["counts"] == (whole["counts"] if not local else [16, 8, 4, 4])
+        for row in sharded:
+            held = ~own["rms"][row].isnan().all(-1)
+            assert held.nonzero().flatten().tolist() == list(range(16))[mine]
+            _same(own["rms"][row, mine], whole["rms"][row, mine])
+            channels = own["top_channels"][row]
+            assert bool(((channels >= mine.start) & (channels < mine.stop)).all()), channels
+        # Merged: the pieces make the whole tensor, and the replicas count once.
+        for key in ("values", *CHANNELS["channel_stats"], "top_values", "top_channels"):
+            _same(merged[key][merged_rows].double(), whole[key][merged_rows].double())
+        if local:
+            # The ReLU's channels are the rank's own: left as they were, and said so.
+            _same(merged["rms"][1], own["rms"][1])
+            _same(merged["rms"][1, :8], whole["rms"][1, mine])
+            assert (
+                len(got["warnings"]) == 1
+                and "['1'] stay each tensor-parallel rank's own" in (got["warnings"][0])
+            )
+        else:
+            assert got["warnings"] == []
