@@ -77,7 +77,8 @@ def test_nvrtc_is_found():
 # counting once per dtype (what differs by architecture is the code generated, not the paths):
 # mean and std; bins per thread; bins per block with binades; bins per thread with every extra of
 # values; the list kernel with bins per block; the list kernel of differences.
-EVERY_KERNEL_ARCH = 90
+# FASTHOOKS_COMPILE_EACH_PATH=1 (the second NVRTC's run) compiles only those, for every one.
+EVERY_KERNEL_ARCH = None if os.environ.get("FASTHOOKS_COMPILE_EACH_PATH") == "1" else 90
 EACH_PATH = (  # (list kernel, (full, bins, diff, binades, top, channels))
     (False, (False, 0, False, False, False, False)),
     (False, (True, 16, False, False, False, False)),
