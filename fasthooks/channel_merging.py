@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .channel_sources import Sources, overlap, plain_outputs, silent, unmergeable
+from .channel_sources import Sources, overlap, places, plain_outputs, silent
 from .channel_stats import ChannelSnapshots, Snapshot
 from .distributed import group_ranks
 from .dtensors import Piece
@@ -91,16 +91,17 @@ def merge_snapshots(
         for t in told:
             for name, count in t["counts"].items():
                 counts[name] = max(counts.get(name, 0), count)
-        kept = unmergeable(told)
-        _reduce(snapshots, names, counts, silent(told, ranks, me), kept, g, device)
+        split = places(told)
+        at = {name: (n, sources.shards.get(name, 0)) for name, n in split.items()}
+        _reduce(snapshots, names, counts, silent(told, ranks, me), at, g, device)
         sources.merged(told)
-        own_only |= kept
+        own_only |= set(split)
     if own_only:
         warnings.warn(
-            f"all_reduce: the per-channel statistics of {sorted(own_only)} stay each "
-            "tensor-parallel rank's own: a plain module fed a rank's shard of the features names "
-            "its own channels, not the whole tensor's (hand it a DTensor, use_local_output=False, "
-            "to merge them)",
+            f"all_reduce: the per-channel statistics of {sorted(own_only)} are each "
+            "tensor-parallel rank's own shard of the features, merged with those at the same "
+            "place of the mesh only: a plain module fed a rank's shard names its own channels, "
+            "not the whole tensor's (hand it a DTensor, use_local_output=False, to merge them)",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -135,7 +136,7 @@ def _plain_on_mesh(
     if any(t != told[0] for t in told):
         return set(), {}
     start = _starts(plain)
-    flat = _flat(_fresh(snapshots), names, plain, start, set(), device)
+    flat = _flat(_fresh(snapshots), names, plain, start, {}, set(), device)
     return plain_outputs(flat, {n: (start[n], c) for n, c in plain.items()}, mesh)
 
 
@@ -148,20 +149,23 @@ def _starts(counts: dict[str, int]) -> dict[str, int]:
 def _flat(
     fresh: list[Snapshot],
     names: list[str],
-    counts: dict[str, int],
+    widths: dict[str, int],
     start: dict[str, int],
+    shift: dict[str, int],
     left_out: set[str],
     device: torch.device,
 ) -> torch.Tensor:
-    """float64 `(snapshots, planes, channels)`: the sums of `fresh` in the shared layout, zero
-    for names `left_out` and those this rank does not hold."""
+    """float64 `(snapshots, planes, channels)`: the sums of `fresh` in the shared layout (a
+    name's `widths` channels from `start`, this rank's `shift` of them on), zero for names
+    `left_out` and those this rank does not hold."""
     flat = torch.zeros(
-        len(fresh), len(CHANNEL_PLANES), sum(counts.values()), dtype=torch.float64, device=device
+        len(fresh), len(CHANNEL_PLANES), sum(widths.values()), dtype=torch.float64, device=device
     )
     for i, s in enumerate(fresh):
         for row, (offset, count) in enumerate(zip(s.offsets, s.counts, strict=True)):
-            if count and names[row] in counts and names[row] not in left_out:
-                at = start[names[row]]
+            name = names[row]
+            if count and name in widths and name not in left_out:
+                at = start[name] + shift.get(name, 0)
                 flat[i, :, at : at + count] = s.sums[:, offset : offset + count].to(device)
     return flat
 
@@ -171,21 +175,24 @@ def _reduce(
     names: list[str],
     counts: dict[str, int],
     silent: set[str],
-    kept: set[str],
+    split: dict[str, tuple[int, int]],
     group: Any,
     device: torch.device,
 ) -> None:
     """Sum the unmerged snapshots over `group` in one layout every rank shares (the names
-    sorted), this rank's sums of `silent` names left out and those of `kept` names left as
-    they are, then keep each in this rank's row order."""
+    sorted), this rank's sums of `silent` names left out, and those of each `split` name
+    (places, this rank's place) beside the others' places, summed with those at its own; then
+    keep each in this rank's row order."""
     import torch.distributed as dist
 
     held = list(snapshots.ready())
     fresh = [k for k, s in enumerate(held) if not s.merged]
     if not fresh:
         return
-    start = _starts(counts)
-    flat = _flat([held[k] for k in fresh], names, counts, start, silent, device)
+    widths = {n: c * split[n][0] if n in split else c for n, c in counts.items()}
+    shift = {n: counts[n] * place for n, (_, place) in split.items()}
+    start = _starts(widths)
+    flat = _flat([held[k] for k in fresh], names, widths, start, shift, silent, device)
     summed = flat[:, _SUMMED].contiguous()
     dist.all_reduce(summed, group=group)
     # Magnitudes are at least 0 or NaN: as int64 bits their order is theirs, NaN above all.
@@ -194,16 +201,14 @@ def _reduce(
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
     flat[:, _SUMMED] = summed
     flat[:, CHANNEL_ABSMAX] = largest.view(torch.float64)
-    if kept:  # each rank's own shard of the features, as it was
-        own = _flat([held[k] for k in fresh], names, counts, start, set(), device)
-        mine = torch.zeros(flat.shape[-1], dtype=torch.bool, device=device)
-        for name in kept & set(start):
-            mine[start[name] : start[name] + counts[name]] = True
-        flat = torch.where(mine, own, flat)
     rows = [counts.get(name, 0) for name in names]
     offsets = list(accumulate(rows, initial=0))[:-1]
     order = torch.cat(
-        [torch.arange(start[n], start[n] + c) for n, c in zip(names, rows, strict=True) if c]
+        [
+            torch.arange(start[n] + shift.get(n, 0), start[n] + shift.get(n, 0) + c)
+            for n, c in zip(names, rows, strict=True)
+            if c
+        ]
         or [torch.zeros(0, dtype=torch.int64)]
     ).to(device)
     for i, k in enumerate(fresh):

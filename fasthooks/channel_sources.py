@@ -13,9 +13,9 @@ from .dtensors import Piece
 
 
 class Sources:
-    """For each row's name: the ranks whose values this rank's sums hold (`held`), and for a
-    plain output that is a shard of the features, this rank's place on the tensor-parallel
-    mesh (`shards`)."""
+    """For each row's name: the ranks whose values this rank's sums hold (`held`; none for a
+    name it holds no sums of), and for a plain output that is a shard of the features, this
+    rank's place on the tensor-parallel mesh (`shards`)."""
 
     def __init__(
         self,
@@ -36,17 +36,34 @@ class Sources:
         self.shards = shards
 
     def told(self, counts: dict[str, int]) -> dict[str, Any]:
-        """What this rank tells the others of the rows it holds."""
+        """What this rank tells the others of the rows it holds sums of (`counts` by name)."""
         return {
             "sources": {name: sorted(self.held[name]) for name, count in counts.items() if count},
             "shards": {name: self.shards[name] for name in counts if name in self.shards},
         }
 
     def merged(self, told: list[dict[str, Any]]) -> None:
-        """Whose values each name's sums hold once the group's are merged: the union of theirs."""
+        """Whose values each name's sums hold once the group's are merged: the union of the
+        group's, of those at this rank's place for a shard of the features."""
+        mine = self.shards
+        union: dict[str, frozenset[int]] = {}
         for t in told:
             for name, source in t["sources"].items():
-                self.held[name] = self.held.get(name, frozenset()) | frozenset(source)
+                if name in mine and t["shards"].get(name) != mine[name]:
+                    continue
+                union[name] = union.get(name, frozenset()) | frozenset(source)
+        self.held.update(union)
+
+
+def places(told: list[dict[str, Any]]) -> dict[str, int]:
+    """The names that are shards of the features at more than one place of the tensor-parallel
+    mesh among the group's ranks, with how many places: their channels are each place's own,
+    so they merge place by place."""
+    seen: dict[str, set[int]] = {}
+    for t in told:
+        for name, place in t["shards"].items():
+            seen.setdefault(name, set()).add(place)
+    return {name: max(p) + 1 for name, p in seen.items() if len(p) > 1}
 
 
 def silent(told: list[dict[str, Any]], ranks: list[int], me: int) -> set[str]:
@@ -55,16 +72,6 @@ def silent(told: list[dict[str, Any]], ranks: list[int], me: int) -> set[str]:
     mine = told[ranks.index(me)]["sources"]
     lower = [t["sources"] for r, t in zip(ranks, told, strict=True) if r < me]
     return {name for name, s in mine.items() if any(other.get(name) == s for other in lower)}
-
-
-def unmergeable(told: list[dict[str, Any]]) -> set[str]:
-    """The names that are shards of the features at other places of the tensor-parallel mesh
-    on ranks of this group: their channels are each rank's own, not the same channels."""
-    places: dict[str, set[int]] = {}
-    for t in told:
-        for name, place in t["shards"].items():
-            places.setdefault(name, set()).add(place)
-    return {name for name, seen in places.items() if len(seen) > 1}
 
 
 def overlap(told: list[dict[str, Any]], ranks: list[int]) -> str | None:
@@ -98,7 +105,8 @@ def plain_outputs(
     low, high = state.clone(), state.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    same = (low == high).all(0).all(0)  # by channel
+    # Within a rounding: a GPU's per-channel sums add in no fixed order.
+    same = torch.isclose(low, high, rtol=1e-9, atol=0.0).all(0).all(0)  # by channel
     replicas, shards = set(), {}
     place = mesh.get_local_rank()
     for name, (start, count) in plain.items():

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 import fasthooks
 from fasthooks import ActivationStats
 from fasthooks.channel_merging import _disagreement
-from fasthooks.channel_sources import Sources, silent
+from fasthooks.channel_sources import Sources, places, silent
 from fasthooks.layout import CHANNEL_COUNT
 
 # Rows of each batch given to rank 0 and rank 1: uneven, and the last leaves rank 1 empty.
@@ -152,40 +152,45 @@ def test_ranks_with_other_options_or_channel_counts_fail_with_the_same_error(ran
     assert "all_reduce: 0 has 6 channels on rank 0 and 7 on rank 1" in counts[0], counts[0]
 
 
-def _told(sources: dict[str, list[int]]) -> dict:
-    return {
-        "bounds": [(0, 1)],
-        "counts": dict.fromkeys(sources, 4),
-        "sources": sources,
-        "shards": {},
-    }
-
-
-def _merge_in_groups(held: dict[int, set[int]], groups: list[list[int]]):
-    """Each rank's sources of one module after merging over `groups` (a partition of the
-    ranks), and the ranks each left silent."""
-    told = {r: _told({"m": sorted(s)}) for r, s in held.items()}
-    silent_ranks, after = set(), {}
+def _merge(sources: dict[int, Sources], groups: list[list[int]], held: dict[int, list[str]]):
+    """Each group of `groups` (a partition of the ranks) merged in turn, as `merge_snapshots`
+    does it, rank r holding sums of the names `held[r]` (then of every name its group held);
+    returns the ranks each group's merge left silent, and the places each split."""
+    silent_ranks: set[int] = set()
+    split: dict[str, int] = {}
     for ranks in groups:
-        group = [told[r] for r in ranks]
-        assert _disagreement(group, ranks) is None
-        silent_ranks |= {r for r in ranks if silent(group, ranks, r)}
-        merged = Sources([], {}, 0, set(), {}, None)
-        merged.merged(group)
-        after.update(dict.fromkeys(ranks, merged.held["m"]))
-    return after, silent_ranks
+        told = [
+            {
+                "bounds": [(0, 1)],
+                "counts": dict.fromkeys(held[r], 4),
+                **sources[r].told(dict.fromkeys(held[r], 4)),
+            }
+            for r in ranks
+        ]
+        assert _disagreement(told, ranks) is None
+        silent_ranks |= {r for r in ranks if silent(told, ranks, r)}
+        split |= places(told)
+        together = sorted(set().union(*(held[r] for r in ranks)))
+        for r in ranks:
+            sources[r].merged(told)
+            held[r] = together
+    return silent_ranks, split
+
+
+# A 2x2 mesh (data, tensor): ranks 0 and 1 are the tensor-parallel ranks of one batch, 2 and 3
+# of another.
+DATA, TENSOR = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
 
 
 @pytest.mark.parametrize("order", ["data_first", "tensor_first"])
 def test_a_replica_over_one_mesh_dimension_counts_once_merging_in_either_order(order):
-    # A 2x2 mesh (data, tensor): an output replicated over the tensor-parallel ranks (0 and 1
-    # hold the same values, 2 and 3 another batch's).
-    held = {0: {0}, 1: {0}, 2: {2}, 3: {2}}
-    data, tensor = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
-    first, second = (data, tensor) if order == "data_first" else (tensor, data)
-    held, silent_first = _merge_in_groups(held, first)
-    held, silent_second = _merge_in_groups(held, second)
-    assert all(s == frozenset({0, 2}) for s in held.values())
+    # An output replicated over the tensor-parallel ranks: 0 and 1 hold the same values.
+    sources = {r: Sources(["m"], {}, r, {"m"}, {}, r - r % 2) for r in range(4)}
+    held = {r: ["m"] for r in range(4)}
+    first, second = (DATA, TENSOR) if order == "data_first" else (TENSOR, DATA)
+    silent_first, _ = _merge(sources, first, held)
+    silent_second, _ = _merge(sources, second, held)
+    assert all(s.held["m"] == frozenset({0, 2}) for s in sources.values())
     # One rank of each pair holding the same values stays out: with tensor first, the replicas;
     # with data first, 1 and 3, whose merged sums equal 0's and 2's by then.
     assert (silent_first, silent_second) == (
@@ -193,8 +198,32 @@ def test_a_replica_over_one_mesh_dimension_counts_once_merging_in_either_order(o
     )
 
 
+def test_pipeline_stages_on_a_tensor_parallel_mesh_merge_in_either_order():
+    # A (pipeline, tensor) mesh: stage 0 (module "a") on ranks 0 and 1, stage 1 ("b") on 2, 3.
+    for first, second in ((DATA, TENSOR), (TENSOR, DATA)):
+        sources = {r: Sources(["a", "b"], {}, r, set(), {}, None) for r in range(4)}
+        held = {0: ["a"], 1: ["a"], 2: ["b"], 3: ["b"]}
+        _merge(sources, first, held)
+        _merge(sources, second, held)
+        for s in sources.values():
+            assert (s.held["a"], s.held["b"]) == (frozenset({0, 1}), frozenset({2, 3}))
+
+
+def test_shards_of_the_features_merge_place_by_place_over_one_group():
+    # A plain module on each tensor-parallel rank's shard of the features, merged over the
+    # whole 2x2 mesh at once: the data-parallel ranks at one place add up, places stay apart.
+    sources = {r: Sources(["act"], {}, r, set(), {"act": r % 2}, None) for r in range(4)}
+    held = {r: ["act"] for r in range(4)}
+    silent_ranks, split = _merge(sources, [[0, 1, 2, 3]], held)
+    assert (silent_ranks, split) == (set(), {"act": 2})
+    assert [sources[r].held["act"] for r in range(4)] == [frozenset({0, 2}), frozenset({1, 3})] * 2
+
+
 def test_groups_whose_sums_overlap_fail_naming_both_ranks():
-    told = [_told({"m": [0]}), _told({"m": [0, 1]})]
+    told = [
+        {"bounds": [], "counts": {"m": 4}, "sources": {"m": source}, "shards": {}}
+        for source in ([0], [0, 1])
+    ]
     problem = _disagreement(told, [0, 1])
     assert problem is not None
     assert "m's per-channel sums on rank 0 hold the values of ranks [0], on rank 1 of [0, 1]" in (

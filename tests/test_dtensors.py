@@ -548,12 +548,10 @@ def test_tensor_parallel_channels_are_named_in_the_whole_tensor_and_merge_into_i
         for key in ("values", *CHANNELS["channel_stats"], "top_values", "top_channels"):
             _same(merged[key][merged_rows].double(), whole[key][merged_rows].double())
         if local:
-            # The ReLU's channels are the rank's own: left as they were, and said so.
+            # The ReLU's channels are the rank's own: merged with no other place's, and said so.
             _same(merged["rms"][1], own["rms"][1])
             _same(merged["rms"][1, :8], whole["rms"][1, mine])
-            assert (
-                len(got["warnings"]) == 1
-                and "['1'] stay each tensor-parallel rank's own" in (got["warnings"][0])
-            )
+            assert len(got["warnings"]) == 1
+            assert "['1'] are each tensor-parallel rank's own shard" in got["warnings"][0]
         else:
             assert got["warnings"] == []

@@ -6,6 +6,7 @@ newest column merged at each log step; ranks that disagree."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -210,6 +211,33 @@ def _two_dimensional(rank: int) -> dict:
     return _run(model, optimizer, batches, merge)
 
 
+CHANNELS = {"channel_stats": ("absmax", "mean", "rms", "active"), "channel_every": 1}
+
+
+def _channel_run(model: nn.Module, batches: list[torch.Tensor], merge: bool) -> dict:
+    act = ActivationStats(model, modules=_called(model), backend=BACKEND, **CHANNELS)
+    with act:
+        for tokens in batches:
+            model(tokens[:, :-1])
+            act.on_batch_end()
+    if merge:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            act.all_reduce()  # the whole world at once, both mesh dimensions together
+    said = [str(w.message) for w in caught if "per-channel" in str(w.message)] if merge else []
+    return {"names": list(act.module_names), "warnings": said, **act.channel_stats}
+
+
+def _two_dimensional_channels(rank: int) -> dict:
+    """Per-channel statistics on the 2-D mesh's tensor-parallel Llama (local outputs)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _llama()
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], TP_PLAN)
+    dp = mesh.get_coordinate()[0]
+    return _channel_run(model, [_dp_share(t, dp, 2) for t in _tokens()], merge=True)
+
+
 def _hybrid_sharded(rank: int) -> dict:
     """HSDP: replicated over "replicate", sharded over "shard"; every rank sees its own rows."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -294,6 +322,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     MESH.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")))
     results = {
         "2d": _two_dimensional(rank),
+        "2d_channels": _two_dimensional_channels(rank),
         "hsdp": _hybrid_sharded(rank),
         "pipeline": _pipeline_stages(rank),
         "disagreeing": _disagreeing(rank),
@@ -393,3 +422,25 @@ def test_a_batch_one_rank_does_not_hold_fails_on_every_rank_without_a_hang(ranks
     for rank, results in enumerate(ranks):
         message = results["disagreeing"]["batches"]
         assert "batches: 7 is not a batch held" in message, (rank, message)
+
+
+def test_per_channel_statistics_on_a_2d_mesh_equal_one_process_holding_everything(ranks):
+    whole = _channel_run(_llama(), _tokens(), merge=False)
+    shards = ("layers.0.mlp.act_fn", "layers.1.mlp.act_fn")
+    for rank, results in enumerate(ranks):
+        got = results["2d_channels"]
+        assert got["names"] == whole["names"]
+        # The SiLU on each rank's shard of the gate's 32 features: merged over the data-parallel
+        # ranks at its place (the column-wise split gives place p the features 16p..16p+16).
+        place = rank % 2
+        assert len(got["warnings"]) == 1 and str(list(shards)) in got["warnings"][0]
+        for stat in CHANNELS["channel_stats"]:
+            for row, name in enumerate(whole["names"]):
+                want = whole[stat][row]
+                if name in shards:
+                    got_row, want = got[stat][row, :16], want[16 * place : 16 * place + 16]
+                else:
+                    got_row = got[stat][row]
+                torch.testing.assert_close(
+                    got_row, want, equal_nan=True, msg=lambda m, n=name, s=stat: f"{n} {s}: {m}"
+                )
